@@ -1,0 +1,231 @@
+//! What a [`MultiHeadAttention`](crate::MultiHeadAttention) forward takes and returns.
+
+use burn::tensor::{Bool, Tensor};
+
+/// Which attention weights a forward returns.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum NeedWeights {
+    /// No weights (the default): the forward can use Burn's fused attention kernel.
+    #[default]
+    None,
+    /// Weights per head, `[batch, n_heads, seq_q, seq_k]`.
+    PerHead,
+    /// Weights averaged over heads, `[batch, seq_q, seq_k]` (PyTorch's
+    /// `average_attn_weights=True`).
+    Averaged,
+}
+
+/// Which implementation computes `softmax(q kᵀ · scale + bias) v`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum AttentionPath {
+    /// Let the module choose (the default): the fused kernel when the weights are not
+    /// requested, dropout is inactive and the softmax is the plain one; else the explicit path.
+    #[default]
+    Auto,
+    /// Burn's fused `burn::tensor::module::attention` (flash kernels on flex and CubeCL
+    /// backends). Cannot return weights, apply dropout or a quiet softmax.
+    Fused,
+    /// Scores, softmax and weighted sum as separate tensor operations; materialises the
+    /// `[batch, n_heads, seq_q, seq_k]` weights.
+    Explicit,
+}
+
+/// A caller's attention mask in rank-4 form, with the rank it was given in.
+#[derive(Debug, Clone)]
+pub struct AttnMask {
+    pub(crate) rank: usize,
+    pub(crate) values: MaskValues,
+}
+
+/// The values of an [`AttnMask`], `[batch | 1, n_heads | 1, seq_q, seq_k]`.
+#[derive(Debug, Clone)]
+pub(crate) enum MaskValues {
+    /// `true` marks a query-key pair that must not attend.
+    Bool(Tensor<4, Bool>),
+    /// Added to the scaled scores; `-inf` forbids the pair.
+    Float(Tensor<4>),
+}
+
+impl AttnMask {
+    pub(crate) fn dims(&self) -> [usize; 4] {
+        match &self.values {
+            MaskValues::Bool(mask) => mask.dims(),
+            MaskValues::Float(bias) => bias.dims(),
+        }
+    }
+}
+
+/// A tensor accepted as an attention mask: `Tensor<D, Bool>` (`true` = may not attend) or a
+/// float `Tensor<D>` (added to the scores), with `D` of 2 (`[seq_q, seq_k]`), 3
+/// (`[batch, seq_q, seq_k]`) or 4 (`[batch, n_heads, seq_q, seq_k]`).
+pub trait IntoAttnMask {
+    /// Converts the mask to its rank-4 form (missing leading axes have size 1).
+    ///
+    /// # Panics
+    ///
+    /// Panics if the rank is not 2, 3 or 4.
+    fn into_attn_mask(self) -> AttnMask;
+}
+
+fn rank4_dims<const D: usize>(dims: [usize; D]) -> [usize; 4] {
+    match D {
+        2 => [1, 1, dims[0], dims[1]],
+        3 => [dims[0], 1, dims[1], dims[2]],
+        4 => [dims[0], dims[1], dims[2], dims[3]],
+        _ => panic!(
+            "`attn_mask` must have rank 2 [seq_q, seq_k], 3 [batch, seq_q, seq_k] or 4 \
+             [batch, n_heads, seq_q, seq_k], got rank {D} with shape {dims:?}"
+        ),
+    }
+}
+
+impl<const D: usize> IntoAttnMask for Tensor<D, Bool> {
+    fn into_attn_mask(self) -> AttnMask {
+        let dims = rank4_dims(self.dims());
+        AttnMask {
+            rank: D,
+            values: MaskValues::Bool(self.reshape(dims)),
+        }
+    }
+}
+
+impl<const D: usize> IntoAttnMask for Tensor<D> {
+    fn into_attn_mask(self) -> AttnMask {
+        let dims = rank4_dims(self.dims());
+        AttnMask {
+            rank: D,
+            values: MaskValues::Float(self.reshape(dims)),
+        }
+    }
+}
+
+/// [`MultiHeadAttention`](crate::MultiHeadAttention) forward input: the query, key and value
+/// sequences, the masks, and what to return.
+///
+/// # Mask polarity
+///
+/// | mask | `true` / value means | as in |
+/// |---|---|---|
+/// | `key_padding_mask` (bool) | `true` = this key is padding, ignore it | PyTorch `nn.MultiheadAttention` |
+/// | `attn_mask` (bool) | `true` = this query may **not** attend to this key | PyTorch `nn.MultiheadAttention`, Burn `MhaInput` |
+/// | `attn_mask` (float) | added to the scaled scores (`-inf` = forbidden) | both |
+///
+/// PyTorch's `F.scaled_dot_product_attention` uses the **opposite** bool polarity
+/// (`true` = may attend): invert such a mask with `bool_not()` before passing it here.
+#[derive(Debug, Clone)]
+pub struct MhaInput {
+    pub(crate) query: Tensor<3>,
+    pub(crate) key: Tensor<3>,
+    pub(crate) value: Tensor<3>,
+    pub(crate) key_padding_mask: Option<Tensor<2, Bool>>,
+    pub(crate) attn_mask: Option<AttnMask>,
+    pub(crate) causal: bool,
+    pub(crate) need_weights: NeedWeights,
+    pub(crate) path: AttentionPath,
+}
+
+impl MhaInput {
+    /// Self-attention: `x` is the query, the key and the value.
+    ///
+    /// # Shapes
+    ///
+    /// - x: `[batch, seq, d_model]` (requires `d_key_input == d_value_input == d_model`)
+    pub fn self_attn(x: Tensor<3>) -> Self {
+        Self::new(x.clone(), x.clone(), x)
+    }
+
+    /// Attention of `query` over the `key`/`value` sequence (cross-attention when they differ).
+    ///
+    /// # Shapes
+    ///
+    /// - query: `[batch, seq_q, d_model]`
+    /// - key: `[batch, seq_k, d_key_input]`
+    /// - value: `[batch, seq_k, d_value_input]`
+    pub fn new(query: Tensor<3>, key: Tensor<3>, value: Tensor<3>) -> Self {
+        Self {
+            query,
+            key,
+            value,
+            key_padding_mask: None,
+            attn_mask: None,
+            causal: false,
+            need_weights: NeedWeights::None,
+            path: AttentionPath::Auto,
+        }
+    }
+
+    /// Keys to ignore, per batch element: `[batch, seq_k]`, **`true` = padding, ignored**
+    /// (PyTorch `nn.MultiheadAttention` polarity).
+    pub fn key_padding_mask(mut self, mask: Tensor<2, Bool>) -> Self {
+        self.key_padding_mask = Some(mask);
+        self
+    }
+
+    /// Query-key pairs to forbid (bool, **`true` = may not attend**) or an additive score bias
+    /// (float). Shapes: `[seq_q, seq_k]`, `[batch, seq_q, seq_k]` or
+    /// `[batch, n_heads, seq_q, seq_k]`.
+    pub fn attn_mask(mut self, mask: impl IntoAttnMask) -> Self {
+        self.attn_mask = Some(mask.into_attn_mask());
+        self
+    }
+
+    /// Causal attention without a mask tensor: query `i` attends to keys `j <= i + seq_k -
+    /// seq_q`. Aligned at the bottom-right corner when `seq_q != seq_k` (FlashAttention's
+    /// convention): the last query sees every key, as a decoder with a cache of past keys
+    /// needs. Combines with the other masks.
+    pub fn causal(mut self) -> Self {
+        self.causal = true;
+        self
+    }
+
+    /// Which attention weights to return. Default: [`NeedWeights::None`].
+    pub fn need_weights(mut self, need_weights: NeedWeights) -> Self {
+        self.need_weights = need_weights;
+        self
+    }
+
+    /// Forces an attention implementation. Default: [`AttentionPath::Auto`].
+    pub fn path(mut self, path: AttentionPath) -> Self {
+        self.path = path;
+        self
+    }
+}
+
+/// Attention weights returned by a forward, per [`NeedWeights`].
+#[derive(Debug, Clone)]
+pub enum AttentionWeights {
+    /// `[batch, n_heads, seq_q, seq_k]`.
+    PerHead(Tensor<4>),
+    /// `[batch, seq_q, seq_k]`, the mean over heads.
+    Averaged(Tensor<3>),
+}
+
+impl AttentionWeights {
+    /// The head-averaged weights `[batch, seq_q, seq_k]`, computing the mean if needed.
+    pub fn averaged(self) -> Tensor<3> {
+        match self {
+            Self::PerHead(weights) => weights.mean_dim(1).squeeze_dim(1),
+            Self::Averaged(weights) => weights,
+        }
+    }
+
+    /// The per-head weights, if they were requested.
+    pub fn per_head(self) -> Option<Tensor<4>> {
+        match self {
+            Self::PerHead(weights) => Some(weights),
+            Self::Averaged(_) => None,
+        }
+    }
+}
+
+/// [`MultiHeadAttention`](crate::MultiHeadAttention) forward output.
+#[derive(Debug, Clone)]
+pub struct MhaOutput {
+    /// `[batch, seq_q, d_model]`.
+    pub context: Tensor<3>,
+    /// The attention weights, when requested with [`MhaInput::need_weights`]. They are the
+    /// probabilities after dropout (rows of a training forward may not sum to 1) and include
+    /// the extra key positions of `add_bias_kv`/`add_zero_attn`. A query whose keys are all
+    /// masked has a row of zeros.
+    pub weights: Option<AttentionWeights>,
+}

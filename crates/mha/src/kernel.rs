@@ -1,0 +1,220 @@
+//! The attention core, `softmax(q kᵀ · scale + bias) v`, on split heads: Burn's fused kernel
+//! and the explicit path that can also return the weights, apply dropout or a quiet softmax.
+
+use burn::nn::Dropout;
+use burn::tensor::module::attention;
+use burn::tensor::ops::AttentionModuleOptions;
+use burn::tensor::{Bool, Tensor};
+
+use crate::mask::{ScoreMasks, causal_mask};
+
+/// How the scores are turned into probabilities.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct SoftmaxOptions {
+    pub scale: f64,
+    /// `scale` is `1/sqrt(head_dim)`; the fused kernel is then told nothing, which keeps
+    /// CubeCL backends on their flash kernel (they fall back on a custom scale).
+    pub default_scale: bool,
+    pub quiet: bool,
+}
+
+/// Burn's fused attention. Key/value heads are repeated to the query heads first, since only
+/// some backends accept fewer key/value heads.
+///
+/// # Shapes
+///
+/// - query: `[batch, n_heads, seq_q, head_dim]`
+/// - key, value: `[batch, n_kv_heads, seq_k, head_dim]`
+/// - output: `[batch, n_heads, seq_q, head_dim]`
+pub(crate) fn fused_attention(
+    query: Tensor<4>,
+    key: Tensor<4>,
+    value: Tensor<4>,
+    masks: ScoreMasks,
+    options: SoftmaxOptions,
+) -> Tensor<4> {
+    let n_heads = query.dims()[1];
+    let key = repeat_kv_heads(key, n_heads);
+    let value = repeat_kv_heads(value, n_heads);
+    let [batch, _, seq_q, _] = query.dims();
+    let seq_k = key.dims()[2];
+    let full = [batch, n_heads, seq_q, seq_k];
+    attention(
+        query,
+        key,
+        value,
+        masks.forbid.map(|mask| mask.expand(full)),
+        masks.bias.map(|bias| bias.expand(full)),
+        AttentionModuleOptions {
+            scale: (!options.default_scale).then_some(options.scale),
+            softcap: None,
+            is_causal: masks.causal,
+        },
+    )
+}
+
+/// `[batch, n_kv_heads, seq, d]` → `[batch, n_heads, seq, d]`, query head `i` reading key/value
+/// head `i / (n_heads / n_kv_heads)` (PyTorch's `repeat_interleave` for GQA).
+pub(crate) fn repeat_kv_heads(tensor: Tensor<4>, n_heads: usize) -> Tensor<4> {
+    let [batch, n_kv_heads, seq, dim] = tensor.dims();
+    if n_kv_heads == n_heads {
+        return tensor;
+    }
+    let groups = n_heads / n_kv_heads;
+    tensor
+        .unsqueeze_dim::<5>(2)
+        .expand([batch, n_kv_heads, groups, seq, dim])
+        .reshape([batch, n_heads, seq, dim])
+}
+
+/// The attention probabilities `[batch, n_heads, seq_q, seq_k]` (before dropout).
+///
+/// Query heads are grouped onto their key/value head by a reshape, so GQA needs no copy of the
+/// keys. A row whose keys are all forbidden is all zeros, with zero (not NaN) gradients.
+pub(crate) fn attention_probabilities(
+    query: Tensor<4>,
+    key: Tensor<4>,
+    masks: &ScoreMasks,
+    options: SoftmaxOptions,
+) -> Tensor<4> {
+    let [batch, n_heads, seq_q, head_dim] = query.dims();
+    let [_, n_kv_heads, seq_k, _] = key.dims();
+    let groups = n_heads / n_kv_heads;
+    let grouped_query =
+        query
+            .mul_scalar(options.scale)
+            .reshape([batch, n_kv_heads, groups * seq_q, head_dim]);
+    let scores_shape = [batch, n_heads, seq_q, seq_k];
+    let mut scores = grouped_query
+        .matmul(key.swap_dims(2, 3))
+        .reshape(scores_shape);
+    if let Some(bias) = &masks.bias {
+        scores = scores + bias.clone().expand(scores_shape);
+    }
+    if let Some(forbid) = &masks.forbid {
+        scores = scores.mask_fill(forbid.clone().expand(scores_shape), f32::NEG_INFINITY);
+    }
+    if masks.causal {
+        let future: Tensor<4, Bool> = causal_mask(seq_q, seq_k, &scores.device())
+            .reshape([1, 1, seq_q, seq_k])
+            .expand(scores_shape);
+        scores = scores.mask_fill(future, f32::NEG_INFINITY);
+    }
+    if options.quiet {
+        quiet_softmax_last_dim(scores)
+    } else {
+        safe_softmax_last_dim(scores)
+    }
+}
+
+/// Softmax over the last axis that returns zeros for a row of `-inf`.
+///
+/// The row maximum is detached (the shift does not change the value, so its gradient is zero
+/// anyway) and clamped to a finite number, so an all-`-inf` row gives `exp(-inf) = 0` rather
+/// than `-inf - -inf = NaN`. The denominator of such a row is 0, and 1 is added to it there
+/// only, which leaves every other row exact and every gradient finite.
+fn safe_softmax_last_dim(scores: Tensor<4>) -> Tensor<4> {
+    let max = scores.clone().detach().max_dim(3).clamp_min(f32::MIN);
+    let exp = (scores - max).exp();
+    let sum = exp.clone().sum_dim(3);
+    let empty_row = sum.clone().equal_elem(0.0).float();
+    exp / (sum + empty_row)
+}
+
+/// `exp(x_i) / (1 + Σ_j exp(x_j))`, shifted by `max(0, max_j x_j)` for stability; an all-`-inf`
+/// row gives zeros.
+fn quiet_softmax_last_dim(scores: Tensor<4>) -> Tensor<4> {
+    let shift = scores.clone().detach().max_dim(3).clamp_min(0.0);
+    let exp = (scores - shift.clone()).exp();
+    let denominator = exp.clone().sum_dim(3) + shift.neg().exp();
+    exp / denominator
+}
+
+/// The explicit path: probabilities, dropout, weighted sum of the values.
+///
+/// Returns the per-head context `[batch, n_heads, seq_q, head_dim]` and the weights
+/// `[batch, n_heads, seq_q, seq_k]` after dropout.
+pub(crate) fn explicit_attention(
+    query: Tensor<4>,
+    key: Tensor<4>,
+    value: Tensor<4>,
+    masks: &ScoreMasks,
+    options: SoftmaxOptions,
+    dropout: &Dropout,
+) -> (Tensor<4>, Tensor<4>) {
+    let [batch, n_heads, seq_q, _] = query.dims();
+    let [_, n_kv_heads, seq_k, value_dim] = value.dims();
+    let groups = n_heads / n_kv_heads;
+    let weights = dropout.forward(attention_probabilities(query, key, masks, options));
+    let context = weights
+        .clone()
+        .reshape([batch, n_kv_heads, groups * seq_q, seq_k])
+        .matmul(value)
+        .reshape([batch, n_heads, seq_q, value_dim]);
+    (context, weights)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::tensor::{Device, Distribution, Tolerance};
+
+    fn options() -> SoftmaxOptions {
+        SoftmaxOptions {
+            scale: 0.5,
+            default_scale: true,
+            quiet: false,
+        }
+    }
+
+    #[test]
+    fn grouped_probabilities_equal_repeated_heads() {
+        let device = Device::flex();
+        device.seed(1);
+        let query = Tensor::<4>::random([2, 4, 3, 4], Distribution::Normal(0.0, 1.0), &device);
+        let key = Tensor::<4>::random([2, 2, 5, 4], Distribution::Normal(0.0, 1.0), &device);
+        let masks = ScoreMasks::default();
+        let grouped = attention_probabilities(query.clone(), key.clone(), &masks, options());
+        let repeated = attention_probabilities(query, repeat_kv_heads(key, 4), &masks, options());
+        grouped
+            .into_data()
+            .assert_approx_eq::<f32>(&repeated.into_data(), Tolerance::absolute(1e-6));
+    }
+
+    #[test]
+    fn all_masked_rows_are_zero_and_others_sum_to_one() {
+        let device = Device::flex();
+        let scores = Tensor::<4>::from_data(
+            [[[
+                [f32::NEG_INFINITY, f32::NEG_INFINITY],
+                [0.0, f32::NEG_INFINITY],
+                [1.0, 2.0],
+            ]]],
+            &device,
+        );
+        let probabilities = safe_softmax_last_dim(scores).into_data();
+        let e = 1.0f32.exp();
+        let expected = [[[
+            [0.0, 0.0],
+            [1.0, 0.0],
+            [e / (e + e * e), e * e / (e + e * e)],
+        ]]];
+        probabilities.assert_approx_eq::<f32>(&expected.into(), Tolerance::absolute(1e-6));
+    }
+
+    #[test]
+    fn quiet_softmax_leaves_room_for_attending_to_nothing() {
+        let device = Device::flex();
+        let scores = Tensor::<4>::from_data(
+            [[[
+                [0.0, 0.0],
+                [f32::NEG_INFINITY, f32::NEG_INFINITY],
+                [30.0, 30.0],
+            ]]],
+            &device,
+        );
+        let probabilities = quiet_softmax_last_dim(scores).into_data();
+        let expected = [[[[1.0 / 3.0, 1.0 / 3.0], [0.0, 0.0], [0.5, 0.5]]]];
+        probabilities.assert_approx_eq::<f32>(&expected.into(), Tolerance::absolute(1e-6));
+    }
+}

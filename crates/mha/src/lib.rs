@@ -1,0 +1,58 @@
+//! Multi-head attention for [Burn](https://burn.dev) 0.22: one [`MultiHeadAttention`] module
+//! that runs unchanged on every Burn backend (flex, ndarray, wgpu, …), with autodiff.
+//!
+//! In Burn 0.22 tensors carry no backend type parameter; the backend is the run-time
+//! [`Device`](burn::tensor::Device) a tensor lives on. So the module has no `B: Backend`
+//! parameter: the same code path runs on whichever device its parameters were initialised on.
+//!
+//! Compared with `burn::nn::attention::MultiHeadAttention`, this module adds PyTorch
+//! `nn.MultiheadAttention`'s features (key/value widths `kdim`/`vdim`, `add_bias_kv`,
+//! `add_zero_attn`, optional per-head or averaged weights, key padding mask with PyTorch's
+//! polarity, bool or float attention masks) and grouped-query/multi-query attention, a causal
+//! flag, a custom scale, zero (not NaN) output for fully masked queries, and Burn's fused
+//! attention kernel whenever the weights are not needed.
+//!
+//! # Example
+//!
+//! ```
+//! use burn::tensor::{Bool, Device, Distribution, Tensor};
+//! use mha::{MhaInput, MultiHeadAttentionConfig, NeedWeights};
+//!
+//! let device = Device::flex();
+//! let attention = MultiHeadAttentionConfig::new(32, 4).init(&device);
+//! let x = Tensor::<3>::random([2, 6, 32], Distribution::Normal(0.0, 1.0), &device);
+//!
+//! // Causal self-attention; the last two keys of the second sequence are padding.
+//! let padding = Tensor::<2, Bool>::from_data(
+//!     [[false; 6], [false, false, false, false, true, true]],
+//!     &device,
+//! );
+//! let output = attention.forward(
+//!     MhaInput::self_attn(x)
+//!         .causal()
+//!         .key_padding_mask(padding)
+//!         .need_weights(NeedWeights::PerHead),
+//! );
+//! assert_eq!(output.context.dims(), [2, 6, 32]);
+//! let weights = output.weights.unwrap().per_head().unwrap();
+//! assert_eq!(weights.dims(), [2, 4, 6, 6]);
+//! ```
+
+#![warn(missing_docs)]
+
+mod config;
+mod input;
+mod kernel;
+mod mask;
+mod module;
+mod shape;
+
+pub use config::{AttentionInitializer, ConfigError, MultiHeadAttentionConfig};
+pub use input::{
+    AttentionPath, AttentionWeights, AttnMask, IntoAttnMask, MhaInput, MhaOutput, NeedWeights,
+};
+pub use mask::causal_mask;
+pub use module::MultiHeadAttention;
+
+#[cfg(feature = "pytorch")]
+pub mod pytorch;

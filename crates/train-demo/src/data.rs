@@ -1,0 +1,201 @@
+//! Batches of examples as tensors, the masked loss, and accuracy by teacher forcing or greedy
+//! generation.
+
+use burn::tensor::activation::log_softmax;
+use burn::tensor::{Device, Int, Tensor, TensorData};
+
+use crate::model::{LayerWeights, Transformer};
+use crate::tasks::{Architecture, Example, IGNORE, Task};
+
+/// A batch as the model reads it.
+pub struct Batch {
+    pub source: Option<Tensor<2, Int>>,
+    pub decoder_input: Option<Tensor<2, Int>>,
+    /// `[batch · seq]`, [`IGNORE`] where unscored.
+    pub targets: Vec<i64>,
+    pub batch: usize,
+    pub seq: usize,
+}
+
+fn tokens(rows: &[&Vec<usize>], device: &Device) -> Option<Tensor<2, Int>> {
+    let length = rows.first()?.len();
+    if length == 0 {
+        return None;
+    }
+    let flat: Vec<i64> = rows
+        .iter()
+        .flat_map(|row| row.iter().map(|&t| t as i64))
+        .collect();
+    Some(Tensor::from_data(
+        TensorData::new(flat, [rows.len(), length]),
+        device,
+    ))
+}
+
+impl Batch {
+    pub fn new(examples: &[Example], device: &Device) -> Self {
+        let sources: Vec<&Vec<usize>> = examples.iter().map(|e| &e.source).collect();
+        let inputs: Vec<&Vec<usize>> = examples.iter().map(|e| &e.decoder_input).collect();
+        let targets: Vec<i64> = examples
+            .iter()
+            .flat_map(|e| e.target.iter().copied())
+            .collect();
+        let seq = examples[0].target.len();
+        Self {
+            source: tokens(&sources, device),
+            decoder_input: tokens(&inputs, device),
+            targets,
+            batch: examples.len(),
+            seq,
+        }
+    }
+
+    pub fn logits(&self, model: &Transformer) -> Tensor<3> {
+        model.forward(self.source.clone(), self.decoder_input.clone(), &mut None)
+    }
+}
+
+/// Mean cross-entropy over the scored positions.
+pub fn masked_cross_entropy(logits: Tensor<3>, targets: &[i64]) -> Tensor<1> {
+    let device = logits.device();
+    let [batch, seq, vocab] = logits.dims();
+    let log_probs = log_softmax(logits.reshape([batch * seq, vocab]), 1);
+    let indices: Vec<i64> = targets.iter().map(|&t| t.max(0)).collect();
+    let indices = Tensor::<2, Int>::from_data(TensorData::new(indices, [batch * seq, 1]), &device);
+    let weights: Vec<f32> = targets.iter().map(|&t| f32::from(t != IGNORE)).collect();
+    let count = weights.iter().sum::<f32>().max(1.0);
+    let weights = Tensor::<1>::from_data(TensorData::new(weights, [batch * seq]), &device);
+    let picked = log_probs.gather(1, indices).reshape([batch * seq]);
+    (picked * weights).sum().neg().div_scalar(count)
+}
+
+/// Accuracy over held-out examples.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Accuracy {
+    /// Scored tokens predicted right.
+    pub token: f64,
+    /// Examples with every scored token right.
+    pub exact: f64,
+}
+
+/// Predictions for the scored positions of each example, `[examples][scored positions]`:
+/// argmax under teacher forcing, or greedy generation for generative tasks.
+pub fn predict(
+    model: &Transformer,
+    task: &dyn Task,
+    examples: &[Example],
+    device: &Device,
+) -> Vec<Vec<i64>> {
+    match task.generate_len() {
+        None => {
+            let batch = Batch::new(examples, device);
+            let predictions = argmax_last(batch.logits(model));
+            examples
+                .iter()
+                .enumerate()
+                .map(|(row, example)| {
+                    example
+                        .target
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, t)| **t != IGNORE)
+                        .map(|(column, _)| predictions[row * batch.seq + column])
+                        .collect()
+                })
+                .collect()
+        }
+        Some(length) => generate(model, task, examples, length, device),
+    }
+}
+
+/// `[batch, seq, vocab]` → argmax per position, row-major.
+fn argmax_last(logits: Tensor<3>) -> Vec<i64> {
+    logits
+        .argmax(2)
+        .into_data()
+        .convert::<i64>()
+        .try_into_vec_as::<i64>()
+        .expect("integer predictions")
+}
+
+/// Greedy decoding: the prompt is the decoder input up to the first scored position.
+fn generate(
+    model: &Transformer,
+    task: &dyn Task,
+    examples: &[Example],
+    length: usize,
+    device: &Device,
+) -> Vec<Vec<i64>> {
+    let first_scored = examples[0]
+        .target
+        .iter()
+        .position(|&t| t != IGNORE)
+        .unwrap_or(0);
+    let mut sequences: Vec<Vec<usize>> = examples
+        .iter()
+        .map(|e| e.decoder_input[..=first_scored].to_vec())
+        .collect();
+    let source = match task.architecture() {
+        Architecture::EncoderDecoder => {
+            let rows: Vec<&Vec<usize>> = examples.iter().map(|e| &e.source).collect();
+            tokens(&rows, device)
+        }
+        _ => None,
+    };
+    let mut generated = vec![Vec::with_capacity(length); examples.len()];
+    for _ in 0..length {
+        let rows: Vec<&Vec<usize>> = sequences.iter().collect();
+        let logits = model.forward(source.clone(), tokens(&rows, device), &mut None);
+        let [_, seq, _] = logits.dims();
+        let next = argmax_last(logits.narrow(1, seq - 1, 1));
+        for (row, token) in next.into_iter().enumerate() {
+            generated[row].push(token);
+            sequences[row].push(token as usize);
+        }
+    }
+    generated
+}
+
+pub fn accuracy(
+    model: &Transformer,
+    task: &dyn Task,
+    examples: &[Example],
+    device: &Device,
+) -> Accuracy {
+    let (mut right, mut total, mut exact) = (0usize, 0usize, 0usize);
+    for chunk in examples.chunks(256) {
+        let predictions = predict(model, task, chunk, device);
+        for (example, predicted) in chunk.iter().zip(&predictions) {
+            let expected: Vec<i64> = example
+                .target
+                .iter()
+                .copied()
+                .filter(|&t| t != IGNORE)
+                .collect();
+            let correct = expected
+                .iter()
+                .zip(predicted)
+                .filter(|(a, b)| a == b)
+                .count();
+            right += correct;
+            total += expected.len();
+            exact += usize::from(correct == expected.len());
+        }
+    }
+    Accuracy {
+        token: right as f64 / total.max(1) as f64,
+        exact: exact as f64 / examples.len().max(1) as f64,
+    }
+}
+
+/// Per-head attention weights of every layer on one example.
+pub fn attention_maps(model: &Transformer, example: &Example, device: &Device) -> LayerWeights {
+    let batch = Batch::new(std::slice::from_ref(example), device);
+    let mut weights = Some(Vec::new());
+    model.forward(
+        batch.source.clone(),
+        batch.decoder_input.clone(),
+        &mut weights,
+    );
+    weights.unwrap_or_default()
+}

@@ -1,0 +1,199 @@
+//! A small pre-LayerNorm Transformer built from `mha::MultiHeadAttention`: encoder-only,
+//! decoder-only or encoder-decoder, with learned positions.
+
+use burn::config::Config;
+use burn::module::Module;
+use burn::nn::{
+    Embedding, EmbeddingConfig, Initializer, LayerNorm, LayerNormConfig, Linear, LinearConfig,
+};
+use burn::tensor::activation::gelu;
+use burn::tensor::{Device, Int, Tensor};
+use mha::{MhaInput, MultiHeadAttention, MultiHeadAttentionConfig, NeedWeights};
+
+use crate::tasks::Architecture;
+
+/// Sizes of the model; saved with every checkpoint, which refuses to load into another size.
+#[derive(Config, Debug, PartialEq)]
+pub struct TransformerConfig {
+    pub architecture: Architecture,
+    pub vocab: usize,
+    pub max_len: usize,
+    pub d_model: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    /// Layers of each stack (the encoder's and the decoder's).
+    pub layers: usize,
+    /// Replace every attention output with zeros (ablation).
+    pub no_attention: bool,
+}
+
+/// Self-attention (and, in a decoder of an encoder-decoder, cross-attention) then an MLP, each
+/// behind a LayerNorm and a residual connection.
+#[derive(Module, Debug)]
+pub struct Block {
+    attention_norm: LayerNorm,
+    attention: MultiHeadAttention,
+    cross_norm: Option<LayerNorm>,
+    cross_attention: Option<MultiHeadAttention>,
+    mlp_norm: LayerNorm,
+    mlp_in: Linear,
+    mlp_out: Linear,
+    causal: bool,
+    no_attention: bool,
+}
+
+/// Attention weights of one forward, for the heatmaps: `[batch, heads, seq_q, seq_k]` for each
+/// layer, labelled.
+pub type LayerWeights = Vec<(String, Tensor<4>)>;
+
+impl Block {
+    fn new(config: &TransformerConfig, causal: bool, cross: bool, device: &Device) -> Self {
+        let d = config.d_model;
+        let attention = || {
+            MultiHeadAttentionConfig::new(d, config.heads)
+                .with_n_kv_heads(Some(config.kv_heads))
+                .init(device)
+        };
+        Self {
+            attention_norm: LayerNormConfig::new(d).init(device),
+            attention: attention(),
+            cross_norm: cross.then(|| LayerNormConfig::new(d).init(device)),
+            cross_attention: cross.then(attention),
+            mlp_norm: LayerNormConfig::new(d).init(device),
+            mlp_in: LinearConfig::new(d, 4 * d).init(device),
+            mlp_out: LinearConfig::new(4 * d, d).init(device),
+            causal,
+            no_attention: config.no_attention,
+        }
+    }
+
+    fn attend(
+        &self,
+        attention: &MultiHeadAttention,
+        input: MhaInput,
+        label: &str,
+        weights: &mut Option<LayerWeights>,
+    ) -> Tensor<3> {
+        let need = if weights.is_some() {
+            NeedWeights::PerHead
+        } else {
+            NeedWeights::None
+        };
+        let output = attention.forward(input.need_weights(need));
+        if let (Some(store), Some(w)) = (weights.as_mut(), output.weights) {
+            store.push((label.to_string(), w.per_head().expect("per-head weights")));
+        }
+        if self.no_attention {
+            // The ablation: nothing flows between positions.
+            output.context.zeros_like()
+        } else {
+            output.context
+        }
+    }
+
+    fn forward(
+        &self,
+        x: Tensor<3>,
+        memory: Option<&Tensor<3>>,
+        label: &str,
+        weights: &mut Option<LayerWeights>,
+    ) -> Tensor<3> {
+        let normed = self.attention_norm.forward(x.clone());
+        let mut input = MhaInput::self_attn(normed);
+        if self.causal {
+            input = input.causal();
+        }
+        let x = x + self.attend(&self.attention, input, &format!("{label} self"), weights);
+        let x = match (&self.cross_attention, &self.cross_norm, memory) {
+            (Some(cross), Some(norm), Some(memory)) => {
+                let input = MhaInput::new(norm.forward(x.clone()), memory.clone(), memory.clone());
+                x.clone() + self.attend(cross, input, &format!("{label} cross"), weights)
+            }
+            _ => x,
+        };
+        let hidden = gelu(self.mlp_in.forward(self.mlp_norm.forward(x.clone())));
+        x + self.mlp_out.forward(hidden)
+    }
+}
+
+#[derive(Module, Debug)]
+pub struct Transformer {
+    token_embedding: Embedding,
+    position_embedding: Embedding,
+    encoder: Vec<Block>,
+    decoder: Vec<Block>,
+    encoder_norm: Option<LayerNorm>,
+    final_norm: LayerNorm,
+    head: Linear,
+}
+
+impl TransformerConfig {
+    pub fn init(&self, device: &Device) -> Transformer {
+        let (encoder_layers, decoder_layers, cross) = match self.architecture {
+            Architecture::Encoder => (self.layers, 0, false),
+            Architecture::Decoder => (0, self.layers, false),
+            Architecture::EncoderDecoder => (self.layers, self.layers, true),
+        };
+        let embedding = |n| {
+            EmbeddingConfig::new(n, self.d_model)
+                .with_initializer(Initializer::Normal {
+                    mean: 0.0,
+                    std: 0.02,
+                })
+                .init(device)
+        };
+        Transformer {
+            token_embedding: embedding(self.vocab),
+            position_embedding: embedding(self.max_len),
+            encoder: (0..encoder_layers)
+                .map(|_| Block::new(self, false, false, device))
+                .collect(),
+            decoder: (0..decoder_layers)
+                .map(|_| Block::new(self, true, cross, device))
+                .collect(),
+            encoder_norm: cross.then(|| LayerNormConfig::new(self.d_model).init(device)),
+            final_norm: LayerNormConfig::new(self.d_model).init(device),
+            head: LinearConfig::new(self.d_model, self.vocab).init(device),
+        }
+    }
+}
+
+impl Transformer {
+    fn embed(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
+        let [batch, seq] = tokens.dims();
+        let positions = Tensor::<1, Int>::arange(0..seq as i64, &tokens.device())
+            .reshape([1, seq])
+            .expand([batch, seq]);
+        self.token_embedding.forward(tokens) + self.position_embedding.forward(positions)
+    }
+
+    /// Logits `[batch, seq, vocab]` over the output sequence: the source's positions for an
+    /// encoder, the decoder input's otherwise. `weights`, when given, collects every attention
+    /// layer's per-head weights.
+    pub fn forward(
+        &self,
+        source: Option<Tensor<2, Int>>,
+        decoder_input: Option<Tensor<2, Int>>,
+        weights: &mut Option<LayerWeights>,
+    ) -> Tensor<3> {
+        let mut memory = source.map(|tokens| self.embed(tokens));
+        for (index, block) in self.encoder.iter().enumerate() {
+            let x = memory.take().expect("encoder input");
+            memory = Some(block.forward(x, None, &format!("encoder {index}"), weights));
+        }
+        if let Some(norm) = &self.encoder_norm {
+            memory = memory.map(|m| norm.forward(m));
+        }
+        let output = match decoder_input {
+            Some(tokens) => {
+                let mut x = self.embed(tokens);
+                for (index, block) in self.decoder.iter().enumerate() {
+                    x = block.forward(x, memory.as_ref(), &format!("decoder {index}"), weights);
+                }
+                x
+            }
+            None => memory.expect("an encoder-only model reads the source"),
+        };
+        self.head.forward(self.final_norm.forward(output))
+    }
+}

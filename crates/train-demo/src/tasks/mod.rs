@@ -1,0 +1,143 @@
+//! Toy sequence tasks that need attention across positions, one file each, behind [`Task`].
+
+mod copy;
+mod recall;
+mod reverse;
+mod sort;
+
+use clap::ValueEnum;
+use serde::{Deserialize, Serialize};
+
+use crate::rng::Rng;
+
+/// The target of a position that carries no loss and no accuracy.
+pub const IGNORE: i64 = -1;
+
+/// How the model reads an example.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Architecture {
+    /// Bidirectional self-attention over `source`; one prediction per position.
+    Encoder,
+    /// Causal language model over `decoder_input`.
+    Decoder,
+    /// Bidirectional encoder over `source`, causal decoder with cross-attention over
+    /// `decoder_input`.
+    EncoderDecoder,
+}
+
+/// One training example. Unused parts are empty.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Example {
+    pub source: Vec<usize>,
+    pub decoder_input: Vec<usize>,
+    /// Per position of the model's output sequence; [`IGNORE`] where nothing is predicted.
+    pub target: Vec<i64>,
+}
+
+/// The tasks the demo trains on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+pub enum TaskKind {
+    /// Reverse a sequence (encoder only).
+    Reverse,
+    /// Generate the sorted sequence token by token (decoder only).
+    Sort,
+    /// Copy the source through cross-attention (encoder-decoder).
+    Copy,
+    /// Multi-query associative recall (decoder only, 2 layers).
+    Recall,
+}
+
+/// The default model and training sizes of a task: what reaches its target.
+#[derive(Debug, Clone, Copy)]
+pub struct TaskDefaults {
+    pub d_model: usize,
+    pub heads: usize,
+    pub layers: usize,
+    pub steps: usize,
+    pub batch_size: usize,
+    pub lr: f64,
+    pub seq_len: usize,
+    pub vocab: usize,
+}
+
+/// A task: draws examples, says how outputs are scored and what chance level is.
+pub trait Task {
+    fn architecture(&self) -> Architecture;
+    /// Tokens in the model's vocabulary.
+    fn vocab(&self) -> usize;
+    /// Longest input the model reads.
+    fn max_len(&self) -> usize;
+    fn sample(&self, rng: &mut Rng) -> Example;
+    /// For generative tasks: how many tokens to generate after the prompt, which is the
+    /// part of `decoder_input` before the first scored position.
+    fn generate_len(&self) -> Option<usize>;
+    /// Token accuracy of a model that ignores the other positions.
+    fn chance_token_accuracy(&self) -> f64;
+    fn describe(&self) -> String;
+}
+
+impl TaskKind {
+    pub fn defaults(self) -> TaskDefaults {
+        match self {
+            Self::Reverse => reverse::DEFAULTS,
+            Self::Sort => sort::DEFAULTS,
+            Self::Copy => copy::DEFAULTS,
+            Self::Recall => recall::DEFAULTS,
+        }
+    }
+
+    pub fn build(self, seq_len: usize, vocab: usize) -> Result<Box<dyn Task>, String> {
+        Ok(match self {
+            Self::Reverse => Box::new(reverse::Reverse::new(seq_len, vocab)?),
+            Self::Sort => Box::new(sort::Sort::new(seq_len, vocab)?),
+            Self::Copy => Box::new(copy::Copy::new(seq_len, vocab)?),
+            Self::Recall => Box::new(recall::Recall::new(seq_len, vocab)?),
+        })
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Reverse => "reverse",
+            Self::Sort => "sort",
+            Self::Copy => "copy",
+            Self::Recall => "recall",
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_task_samples_consistent_examples() {
+        for kind in [
+            TaskKind::Reverse,
+            TaskKind::Sort,
+            TaskKind::Copy,
+            TaskKind::Recall,
+        ] {
+            let defaults = kind.defaults();
+            let task = kind.build(defaults.seq_len, defaults.vocab).unwrap();
+            let mut rng = Rng::new(3);
+            for _ in 0..20 {
+                let example = task.sample(&mut rng);
+                let length = match task.architecture() {
+                    Architecture::Encoder => example.source.len(),
+                    _ => example.decoder_input.len(),
+                };
+                assert_eq!(example.target.len(), length, "{kind:?}");
+                assert!(length <= task.max_len());
+                let tokens = example.source.iter().chain(&example.decoder_input);
+                assert!(tokens.into_iter().all(|&t| t < task.vocab()), "{kind:?}");
+                assert!(example.target.iter().any(|&t| t != IGNORE));
+                assert!(
+                    example
+                        .target
+                        .iter()
+                        .all(|&t| t == IGNORE || (t as usize) < task.vocab())
+                );
+            }
+        }
+    }
+}

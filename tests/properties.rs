@@ -1,0 +1,466 @@
+//! Properties of `MultiHeadAttention` that hold on every test device.
+
+mod common;
+
+use burn::module::{Module, Param};
+use burn::tensor::{Bool, Device, Int, Tensor};
+use common::{all_finite, assert_close, randn, test_devices, tolerance};
+use mha::{AttentionPath, MhaInput, MultiHeadAttention, MultiHeadAttentionConfig, NeedWeights};
+
+fn seeded(device: &Device, seed: u64) -> Device {
+    device.seed(seed);
+    device.clone()
+}
+
+#[test]
+fn self_attention_without_masks_is_permutation_equivariant() {
+    for (name, device) in test_devices() {
+        let device = seeded(&device, 1);
+        let module = MultiHeadAttentionConfig::new(16, 4).init(&device);
+        let x = randn([2, 6, 16], &device);
+        let order = [3, 0, 5, 1, 4, 2];
+        let indices = Tensor::<1, Int>::from_data(order.map(|i| i as i64), &device);
+        let permuted_then_attended = module
+            .forward(MhaInput::self_attn(x.clone().select(1, indices.clone())))
+            .context;
+        let attended_then_permuted = module
+            .forward(MhaInput::self_attn(x))
+            .context
+            .select(1, indices);
+        assert_close(
+            &format!("{name}: permutation"),
+            permuted_then_attended,
+            attended_then_permuted,
+            tolerance(name),
+        );
+    }
+}
+
+#[test]
+fn causal_outputs_ignore_future_tokens() {
+    for (name, device) in test_devices() {
+        let device = seeded(&device, 2);
+        let module = MultiHeadAttentionConfig::new(16, 2).init(&device);
+        let x = randn([2, 7, 16], &device);
+        let changed_future = x
+            .clone()
+            .slice_assign([0..2, 4..7, 0..16], randn([2, 3, 16], &device));
+        for path in [AttentionPath::Explicit, AttentionPath::Fused] {
+            let original = module
+                .forward(MhaInput::self_attn(x.clone()).causal().path(path))
+                .context;
+            let changed = module
+                .forward(
+                    MhaInput::self_attn(changed_future.clone())
+                        .causal()
+                        .path(path),
+                )
+                .context;
+            assert_close(
+                &format!("{name} {path:?}: prefix unchanged"),
+                original.clone().slice([0..2, 0..4]),
+                changed.clone().slice([0..2, 0..4]),
+                tolerance(name),
+            );
+            let moved =
+                common::max_abs_diff(original.slice([0..2, 4..7]), changed.slice([0..2, 4..7]));
+            assert!(
+                moved > 1e-3,
+                "{name}: changed tokens must change their own outputs"
+            );
+        }
+    }
+}
+
+#[test]
+fn padded_keys_and_values_change_nothing() {
+    for (name, device) in test_devices() {
+        let device = seeded(&device, 3);
+        let module = MultiHeadAttentionConfig::new(12, 3)
+            .with_d_key_input(Some(5))
+            .with_d_value_input(Some(7))
+            .init(&device);
+        let query = randn([2, 4, 12], &device);
+        let key = randn([2, 6, 5], &device);
+        let value = randn([2, 6, 7], &device);
+        let padding = Tensor::<2, Bool>::from_data(
+            [
+                [false, false, false, false, true, true],
+                [false, false, false, false, false, true],
+            ],
+            &device,
+        );
+        let garbage_key = key
+            .clone()
+            .slice_assign([0..2, 5..6], randn([2, 1, 5], &device).mul_scalar(50.0));
+        let garbage_value = value
+            .clone()
+            .slice_assign([0..2, 5..6], randn([2, 1, 7], &device).mul_scalar(50.0));
+        for path in [AttentionPath::Explicit, AttentionPath::Fused] {
+            let run = |key: Tensor<3>, value: Tensor<3>| {
+                module
+                    .forward(
+                        MhaInput::new(query.clone(), key, value)
+                            .key_padding_mask(padding.clone())
+                            .path(path),
+                    )
+                    .context
+            };
+            assert_close(
+                &format!("{name} {path:?}: padding"),
+                run(key.clone(), value.clone()),
+                run(garbage_key.clone(), garbage_value.clone()),
+                tolerance(name),
+            );
+        }
+    }
+}
+
+/// An MHA module whose key/value heads are the GQA module's, each repeated for its group.
+fn expand_to_mha(gqa: &MultiHeadAttention, device: &Device) -> MultiHeadAttention {
+    let mut mha = MultiHeadAttentionConfig::new(gqa.d_model, gqa.n_heads).init(device);
+    let groups = gqa.n_heads / gqa.n_kv_heads;
+    let repeat_heads = |weight: Tensor<2>| {
+        let [d_in, _] = weight.dims();
+        weight
+            .reshape([d_in, gqa.n_kv_heads, 1, gqa.head_dim])
+            .expand([d_in, gqa.n_kv_heads, groups, gqa.head_dim])
+            .reshape([d_in, gqa.n_heads * gqa.head_dim])
+    };
+    let repeat_bias = |bias: Tensor<1>| repeat_heads(bias.unsqueeze::<2>()).flatten(0, 1);
+    mha.query = gqa.query.clone();
+    mha.output = gqa.output.clone();
+    for (target, source) in [(&mut mha.key, &gqa.key), (&mut mha.value, &gqa.value)] {
+        target.weight = Param::from_tensor(repeat_heads(source.weight.val()));
+        target.bias = Some(Param::from_tensor(repeat_bias(
+            source.bias.as_ref().unwrap().val(),
+        )));
+    }
+    mha
+}
+
+#[test]
+fn gqa_and_mqa_equal_mha_with_repeated_key_value_heads() {
+    for (name, device) in test_devices() {
+        let device = seeded(&device, 4);
+        for n_kv_heads in [1, 2, 4] {
+            let gqa = MultiHeadAttentionConfig::new(16, 4)
+                .with_n_kv_heads(Some(n_kv_heads))
+                .with_bias(true)
+                .init(&device);
+            // Non-zero biases, so that their repetition is checked too.
+            let mut gqa = gqa;
+            for linear in [&mut gqa.key, &mut gqa.value] {
+                let width = linear.bias.as_ref().unwrap().val().dims()[0];
+                linear.bias = Some(Param::from_tensor(randn([width], &device)));
+            }
+            let mha = expand_to_mha(&gqa, &device);
+            let x = randn([2, 5, 16], &device);
+            for path in [AttentionPath::Explicit, AttentionPath::Fused] {
+                let input = || MhaInput::self_attn(x.clone()).causal().path(path);
+                assert_close(
+                    &format!("{name} kv_heads={n_kv_heads} {path:?}"),
+                    gqa.forward(input()).context,
+                    mha.forward(input()).context,
+                    tolerance(name),
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn n_kv_heads_equal_to_n_heads_is_plain_mha() {
+    for (name, device) in test_devices() {
+        let config = MultiHeadAttentionConfig::new(16, 4);
+        let plain = config.init(&seeded(&device, 5));
+        // Same weights: the record of one loads into the other (same parameter shapes).
+        let explicit_kv = config
+            .clone()
+            .with_n_kv_heads(Some(4))
+            .init(&device)
+            .load_record(plain.clone().into_record());
+        let x = randn([1, 4, 16], &device);
+        assert_close(
+            &format!("{name}: n_kv_heads = n_heads"),
+            plain.forward(MhaInput::self_attn(x.clone())).context,
+            explicit_kv.forward(MhaInput::self_attn(x)).context,
+            0.0,
+        );
+    }
+}
+
+#[test]
+fn fused_and_explicit_paths_agree() {
+    for (name, device) in test_devices() {
+        let device = seeded(&device, 6);
+        let configs = [
+            MultiHeadAttentionConfig::new(16, 4),
+            MultiHeadAttentionConfig::new(16, 4)
+                .with_n_kv_heads(Some(2))
+                .with_scale(Some(0.3)),
+            MultiHeadAttentionConfig::new(24, 3)
+                .with_d_key_input(Some(8))
+                .with_d_value_input(Some(10))
+                .with_add_bias_kv(true)
+                .with_add_zero_attn(true),
+        ];
+        for config in configs {
+            let module = config.init(&device);
+            let query = randn([2, 5, config.d_model], &device);
+            let key = randn([2, 7, module.d_key_input], &device);
+            let value = randn([2, 7, module.d_value_input], &device);
+            let padding = Tensor::<2, Bool>::from_data(
+                [[false; 7], [false, false, false, true, false, true, true]],
+                &device,
+            );
+            let bias = randn([2, module.n_heads, 5, 7], &device);
+            let inputs: Vec<(&str, MhaInput)> = vec![
+                (
+                    "plain",
+                    MhaInput::new(query.clone(), key.clone(), value.clone()),
+                ),
+                (
+                    "padding+causal",
+                    MhaInput::new(query.clone(), key.clone(), value.clone())
+                        .key_padding_mask(padding.clone())
+                        .causal(),
+                ),
+                (
+                    "float bias",
+                    MhaInput::new(query.clone(), key.clone(), value.clone()).attn_mask(bias),
+                ),
+            ];
+            for (label, input) in inputs {
+                let explicit = module
+                    .forward(input.clone().path(AttentionPath::Explicit))
+                    .context;
+                let fused = module.forward(input.path(AttentionPath::Fused)).context;
+                assert_close(
+                    &format!("{name} {label} {config:?}"),
+                    explicit,
+                    fused,
+                    tolerance(name),
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn fully_masked_queries_give_zero_output_weights_and_finite_gradients() {
+    for (name, device) in test_devices() {
+        let device = seeded(&device.autodiff(), 7);
+        let module = MultiHeadAttentionConfig::new(8, 2)
+            .with_bias(false)
+            .init(&device);
+        let x = randn([1, 3, 8], &device).require_grad();
+        // Query 1 may attend to nothing.
+        let forbid = Tensor::<2, Bool>::from_data(
+            [
+                [false, true, false],
+                [true, true, true],
+                [false, false, false],
+            ],
+            &device,
+        );
+        for path in [AttentionPath::Explicit, AttentionPath::Auto] {
+            let need_weights = if path == AttentionPath::Explicit {
+                NeedWeights::PerHead
+            } else {
+                NeedWeights::None
+            };
+            let output = module.forward(
+                MhaInput::self_attn(x.clone())
+                    .attn_mask(forbid.clone())
+                    .need_weights(need_weights)
+                    .path(path),
+            );
+            let context = output.context;
+            // With no bias, a query that attends to nothing outputs exactly zero.
+            let dead_row = context
+                .clone()
+                .slice([0..1, 1..2])
+                .abs()
+                .max()
+                .into_scalar::<f32>();
+            assert_eq!(dead_row, 0.0, "{name} {path:?}: fully masked query output");
+            if let Some(weights) = output.weights {
+                let weights = weights.per_head().unwrap();
+                let dead = weights
+                    .clone()
+                    .slice([0..1, 0..2, 1..2])
+                    .abs()
+                    .max()
+                    .into_scalar::<f32>();
+                assert_eq!(dead, 0.0, "{name}: fully masked weights row");
+                assert!(all_finite(weights.inner()));
+            }
+            let grads = context.powi_scalar(2).sum().backward();
+            let x_grad = x.grad(&grads).unwrap();
+            assert!(
+                all_finite(x_grad),
+                "{name} {path:?}: input gradient is finite"
+            );
+            let weight_grad = module.query.weight.grad(&grads).unwrap();
+            assert!(
+                all_finite(weight_grad),
+                "{name} {path:?}: weight gradient is finite"
+            );
+        }
+        // The same holds for a float mask of -inf and for causal attention with more queries
+        // than keys (the first queries then see no key).
+        let minus_inf = Tensor::<2>::from_data(
+            [
+                [0.0, f32::NEG_INFINITY, 0.0],
+                [f32::NEG_INFINITY; 3],
+                [0.0, 0.0, 0.0],
+            ],
+            &device,
+        );
+        let output = module
+            .forward(MhaInput::self_attn(x.clone()).attn_mask(minus_inf))
+            .context;
+        let dead_row = output
+            .clone()
+            .slice([0..1, 1..2])
+            .abs()
+            .max()
+            .into_scalar::<f32>();
+        assert_eq!(dead_row, 0.0, "{name}: -inf float mask row");
+        let grads = output.sum().backward();
+        assert!(all_finite(x.grad(&grads).unwrap()));
+        let keys = randn([1, 2, 8], &device);
+        let output = module
+            .forward(MhaInput::new(x.clone(), keys.clone(), keys).causal())
+            .context;
+        let first = output.slice([0..1, 0..1]).abs().max().into_scalar::<f32>();
+        assert_eq!(
+            first, 0.0,
+            "{name}: query before every key under bottom-right causal"
+        );
+    }
+}
+
+#[test]
+fn gradients_match_central_finite_differences() {
+    for (name, device) in test_devices() {
+        let device = seeded(&device.autodiff(), 8);
+        let module = MultiHeadAttentionConfig::new(4, 2)
+            .with_add_bias_kv(true)
+            .with_add_zero_attn(true)
+            .init(&device);
+        let x = randn([1, 3, 4], &device);
+        let padding = Tensor::<2, Bool>::from_data([[false, false, true]], &device);
+        let loss_of = |x: Tensor<3>, path: AttentionPath| -> Tensor<1> {
+            let context = module
+                .forward(
+                    MhaInput::self_attn(x)
+                        .causal()
+                        .key_padding_mask(padding.clone())
+                        .path(path),
+                )
+                .context;
+            // A loss whose gradient differs from position to position.
+            let weights = Tensor::<1>::from_data([0.3, -1.1, 0.7, 2.0], &device).reshape([1, 1, 4]);
+            (context * weights).sum()
+        };
+        for path in [AttentionPath::Explicit, AttentionPath::Fused] {
+            let tracked = x.clone().require_grad();
+            let grads = loss_of(tracked.clone(), path).backward();
+            let analytic = tracked
+                .grad(&grads)
+                .unwrap()
+                .into_data()
+                .try_into_vec_as::<f32>()
+                .unwrap();
+            let plain = x.clone().inner();
+            let epsilon = 1e-2;
+            let values = plain.clone().into_data().try_into_vec_as::<f32>().unwrap();
+            for (index, analytic) in analytic.iter().enumerate() {
+                let nudged = |delta: f32| {
+                    let mut v = values.clone();
+                    v[index] += delta;
+                    let t = Tensor::<3>::from_data(
+                        burn::tensor::TensorData::new(v, [1, 3, 4]),
+                        &device,
+                    );
+                    loss_of(t, path).into_scalar::<f32>()
+                };
+                let numeric = (nudged(epsilon) - nudged(-epsilon)) / (2.0 * epsilon);
+                assert!(
+                    (numeric - analytic).abs() <= 2e-2 * (1.0 + numeric.abs()),
+                    "{name} {path:?}: d loss / d x[{index}] analytic {analytic} vs numeric {numeric}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn dropout_acts_only_in_training_on_an_autodiff_device() {
+    for (name, device) in test_devices() {
+        let config = MultiHeadAttentionConfig::new(8, 2).with_dropout(0.5);
+        let x = randn([2, 6, 8], &device);
+        let row_sums = |module: &MultiHeadAttention, x: Tensor<3>| {
+            let weights = module
+                .forward(MhaInput::self_attn(x).need_weights(NeedWeights::PerHead))
+                .weights
+                .unwrap()
+                .per_head()
+                .unwrap();
+            weights
+                .sum_dim(3)
+                .into_data()
+                .try_into_vec_as::<f32>()
+                .unwrap()
+        };
+        let plain_sums = row_sums(&config.init(&device), x.clone());
+        assert!(
+            plain_sums.iter().all(|s| (s - 1.0).abs() < 1e-4),
+            "{name}: no dropout off autodiff"
+        );
+
+        let autodiff = device.clone().autodiff();
+        let training = config.init(&autodiff);
+        let x_ad = Tensor::<3>::from_data(x.to_data(), &autodiff);
+        let dropped = row_sums(&training, x_ad.clone());
+        assert!(
+            dropped.iter().any(|s| (s - 1.0).abs() > 1e-2),
+            "{name}: dropout changes training weights"
+        );
+        // Dropout forbids the fused kernel, so Auto takes the explicit path in training.
+        let valid = training.valid();
+        let eval_sums = row_sums(&valid, x_ad.inner());
+        assert!(
+            eval_sums.iter().all(|s| (s - 1.0).abs() < 1e-4),
+            "{name}: no dropout after valid()"
+        );
+    }
+}
+
+#[test]
+fn burnpack_save_and_load_is_bit_identical() {
+    let directory = std::env::temp_dir().join(format!("mha-save-load-{}", std::process::id()));
+    std::fs::create_dir_all(&directory).unwrap();
+    for (name, device) in test_devices() {
+        let device = seeded(&device, 9);
+        let config = MultiHeadAttentionConfig::new(16, 4)
+            .with_n_kv_heads(Some(2))
+            .with_d_key_input(Some(6))
+            .with_add_bias_kv(true);
+        let module = config.init(&device);
+        let query = randn([1, 3, 16], &device);
+        let key = randn([1, 4, 6], &device);
+        let value = randn([1, 4, 16], &device);
+        let input = || MhaInput::new(query.clone(), key.clone(), value.clone());
+        let before = module.forward(input()).context.into_data();
+
+        let path = directory.join(format!("attention-{name}"));
+        module.clone().save_file(&path).expect("save");
+        let reloaded = config.init(&seeded(&device, 10)).load_file(&path);
+        let after = reloaded.forward(input()).context.into_data();
+        before.assert_eq(&after, true);
+    }
+    std::fs::remove_dir_all(&directory).ok();
+}
