@@ -9,6 +9,7 @@ use burn::nn::{DropoutConfig, Initializer, Linear, LinearConfig};
 use burn::tensor::{Device, Tensor};
 
 use crate::module::MultiHeadAttention;
+use crate::rotary::RopeConfig;
 
 /// How the parameters of a [`MultiHeadAttention`] are initialised.
 #[derive(Config, Debug, PartialEq)]
@@ -72,6 +73,13 @@ pub struct MultiHeadAttentionConfig {
     /// nothing (Burn's `quiet_softmax`). Default: false.
     #[config(default = false)]
     pub quiet_softmax: bool,
+    /// Rotary position embeddings applied to the query and key heads. Default: `None`.
+    /// Needs an even `head_dim`.
+    #[config(default = "None")]
+    pub rope: Option<RopeConfig>,
+    /// Add ALiBi's per-head linear distance penalty to the scores. Default: false.
+    #[config(default = false)]
+    pub alibi: bool,
     /// How the parameters are initialised. Default: [`AttentionInitializer::PyTorch`].
     #[config(default = "AttentionInitializer::PyTorch")]
     pub initializer: AttentionInitializer,
@@ -162,6 +170,24 @@ impl MultiHeadAttentionConfig {
         {
             return error("scale", format!("must be finite and positive, got {scale}"));
         }
+        let head_dim = self.d_model / self.n_heads;
+        if self.rope.is_some() && !head_dim.is_multiple_of(2) {
+            return error(
+                "rope",
+                format!("needs an even head_dim (d_model / n_heads), got {head_dim}"),
+            );
+        }
+        if let Some(rope) = &self.rope
+            && (!rope.theta.is_finite() || rope.theta <= 1.0)
+        {
+            return error(
+                "rope",
+                format!(
+                    "theta must be finite and greater than 1, got {}",
+                    rope.theta
+                ),
+            );
+        }
         Ok(ResolvedSizes {
             head_dim: self.d_model / self.n_heads,
             n_kv_heads,
@@ -240,6 +266,8 @@ impl MultiHeadAttentionConfig {
             default_scale: self.scale.is_none(),
             add_zero_attn: self.add_zero_attn,
             quiet_softmax: self.quiet_softmax,
+            rope: self.rope.clone(),
+            alibi: self.alibi,
         })
     }
 

@@ -2,6 +2,8 @@
 
 use burn::tensor::{Bool, Tensor};
 
+use crate::kernel::ChunkSizes;
+
 /// Which attention weights a forward returns.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum NeedWeights {
@@ -18,8 +20,10 @@ pub enum NeedWeights {
 /// Which implementation computes `softmax(q kᵀ · scale + bias) v`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum AttentionPath {
-    /// Let the module choose (the default): the fused kernel when the weights are not
-    /// requested, dropout is inactive and the softmax is the plain one; else the explicit path.
+    /// Let the module choose (the default): when the weights are not requested, dropout is
+    /// inactive and the softmax is the plain one, the fused kernel — or, on a device without
+    /// autodiff and above [`CHUNKED_THRESHOLD`](crate::CHUNKED_THRESHOLD) score elements, the
+    /// chunked path; else the explicit path.
     #[default]
     Auto,
     /// Burn's fused `burn::tensor::module::attention` (flash kernels on flex and CubeCL
@@ -28,6 +32,10 @@ pub enum AttentionPath {
     /// Scores, softmax and weighted sum as separate tensor operations; materialises the
     /// `[batch, n_heads, seq_q, seq_k]` weights.
     Explicit,
+    /// Query blocks × key blocks with an online softmax: never holds more than one block of
+    /// scores, so inference memory stays bounded at any length. Cannot return weights, apply
+    /// dropout or a quiet softmax.
+    Chunked(ChunkSizes),
 }
 
 /// A caller's attention mask in rank-4 form, with the rank it was given in.
@@ -207,6 +215,11 @@ impl AttentionWeights {
             Self::PerHead(weights) => weights.mean_dim(1).squeeze_dim(1),
             Self::Averaged(weights) => weights,
         }
+    }
+
+    /// This weights' head-averaged variant.
+    pub(crate) fn averaged_variant(self) -> Self {
+        Self::Averaged(self.averaged())
     }
 
     /// The per-head weights, if they were requested.

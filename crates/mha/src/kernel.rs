@@ -154,6 +154,129 @@ pub(crate) fn explicit_attention(
     (context, weights)
 }
 
+/// Query and key block sizes of the chunked path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChunkSizes {
+    /// Queries per block.
+    pub query: usize,
+    /// Keys per block.
+    pub key: usize,
+}
+
+impl Default for ChunkSizes {
+    fn default() -> Self {
+        Self {
+            query: 512,
+            key: 1024,
+        }
+    }
+}
+
+/// `tensor` restricted to `range` along `axis`, unless that axis has size 1 (broadcast).
+fn narrow_broadcast<const D: usize, K: burn::tensor::kind::Basic>(
+    tensor: &Tensor<D, K>,
+    axis: usize,
+    start: usize,
+    length: usize,
+) -> Tensor<D, K> {
+    if tensor.dims()[axis] == 1 {
+        tensor.clone()
+    } else {
+        tensor.clone().narrow(axis, start, length)
+    }
+}
+
+/// Attention by query blocks × key blocks with an online softmax (running maximum and sum, as
+/// FlashAttention and Rabe & Staats, "Self-attention does not need O(n²) memory"): at no time
+/// is more than one `[batch, n_heads, query block, key block]` score block held, instead of the
+/// full `[batch, n_heads, seq_q, seq_k]` matrix.
+///
+/// Exact up to summation order; a query whose keys are all forbidden outputs zero. Key blocks
+/// entirely in a query block's causal future are skipped. Under autodiff, every block's
+/// intermediates are kept for the backward pass, so this bounds inference memory only.
+pub(crate) fn chunked_attention(
+    query: Tensor<4>,
+    key: Tensor<4>,
+    value: Tensor<4>,
+    masks: &ScoreMasks,
+    options: SoftmaxOptions,
+    chunks: ChunkSizes,
+) -> Tensor<4> {
+    let [batch, n_heads, seq_q, head_dim] = query.dims();
+    let [_, n_kv_heads, seq_k, value_dim] = value.dims();
+    let groups = n_heads / n_kv_heads;
+    let device = query.device();
+    let query = query.mul_scalar(options.scale);
+    let causal_offset = seq_k as i64 - seq_q as i64;
+    let mut outputs = Vec::new();
+    for q_start in (0..seq_q).step_by(chunks.query.max(1)) {
+        let q_len = chunks.query.min(seq_q - q_start);
+        let block_query = query.clone().narrow(2, q_start, q_len).reshape([
+            batch,
+            n_kv_heads,
+            groups * q_len,
+            head_dim,
+        ]);
+        let block_shape = |k_len| [batch, n_heads, q_len, k_len];
+        let mut running_max =
+            Tensor::<4>::full([batch, n_heads, q_len, 1], f32::NEG_INFINITY, &device);
+        let mut running_sum = Tensor::<4>::zeros([batch, n_heads, q_len, 1], &device);
+        let mut accumulator = Tensor::<4>::zeros([batch, n_heads, q_len, value_dim], &device);
+        for k_start in (0..seq_k).step_by(chunks.key.max(1)) {
+            let k_len = chunks.key.min(seq_k - k_start);
+            // The last query of the block sees keys up to q_start + q_len - 1 + offset.
+            if masks.causal && k_start as i64 > q_start as i64 + q_len as i64 - 1 + causal_offset {
+                break;
+            }
+            let block_key = key.clone().narrow(2, k_start, k_len);
+            let mut scores = block_query
+                .clone()
+                .matmul(block_key.swap_dims(2, 3))
+                .reshape(block_shape(k_len));
+            if let Some(bias) = &masks.bias {
+                let bias = narrow_broadcast(
+                    &narrow_broadcast(bias, 2, q_start, q_len),
+                    3,
+                    k_start,
+                    k_len,
+                );
+                scores = scores + bias.expand(block_shape(k_len));
+            }
+            if let Some(forbid) = &masks.forbid {
+                let forbid = narrow_broadcast(
+                    &narrow_broadcast(forbid, 2, q_start, q_len),
+                    3,
+                    k_start,
+                    k_len,
+                );
+                scores = scores.mask_fill(forbid.expand(block_shape(k_len)), f32::NEG_INFINITY);
+            }
+            if masks.causal {
+                let offset = q_start as i64 - k_start as i64 + causal_offset;
+                let future = Tensor::<2, Bool>::tril_mask([q_len, k_len], offset, &device)
+                    .reshape([1, 1, q_len, k_len])
+                    .expand(block_shape(k_len));
+                scores = scores.mask_fill(future, f32::NEG_INFINITY);
+            }
+            let block_max = scores.clone().max_dim(3);
+            let new_max = running_max.clone().max_pair(block_max).clamp_min(f32::MIN);
+            let correction = (running_max - new_max.clone()).exp();
+            let probabilities = (scores - new_max.clone()).exp();
+            running_sum = running_sum * correction.clone() + probabilities.clone().sum_dim(3);
+            let block_value = value.clone().narrow(2, k_start, k_len);
+            let contribution = probabilities
+                .reshape([batch, n_kv_heads, groups * q_len, k_len])
+                .matmul(block_value)
+                .reshape([batch, n_heads, q_len, value_dim]);
+            accumulator = accumulator * correction + contribution;
+            running_max = new_max;
+        }
+        let empty_row = running_sum.clone().equal_elem(0.0).float();
+        outputs.push(accumulator / (running_sum + empty_row));
+    }
+    Tensor::cat(outputs, 2)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -40,19 +40,26 @@
 
 #![warn(missing_docs)]
 
+mod alibi;
+mod cache;
 mod config;
 mod input;
 mod kernel;
 mod mask;
 mod module;
+mod rotary;
 mod shape;
 
+pub use alibi::alibi_slopes;
+pub use cache::{CacheError, CacheLimit, CrossAttentionCache, KvCache};
 pub use config::{AttentionInitializer, ConfigError, MultiHeadAttentionConfig};
 pub use input::{
     AttentionPath, AttentionWeights, AttnMask, IntoAttnMask, MhaInput, MhaOutput, NeedWeights,
 };
+pub use kernel::ChunkSizes;
 pub use mask::causal_mask;
-pub use module::MultiHeadAttention;
+pub use module::{CHUNKED_THRESHOLD, MultiHeadAttention};
+pub use rotary::{RopeConfig, RopeLayout};
 
 #[cfg(feature = "pytorch")]
 pub mod pytorch;

@@ -107,11 +107,16 @@ pub(crate) fn check_masks(
 
 /// Combines the caller's masks into [`ScoreMasks`]. The shapes must have passed
 /// [`check_masks`].
+///
+/// `extra_forbid` and `extra_bias` (`[1 | batch, 1 | n_heads, seq_q, seq_k]`) are the module's
+/// own: a sliding window's band, ALiBi's distance penalty.
 pub(crate) fn build_masks(
     key_padding_mask: Option<Tensor<2, Bool>>,
     attn_mask: Option<AttnMask>,
     causal: bool,
     geometry: MaskGeometry,
+    extra_forbid: Option<Tensor<4, Bool>>,
+    extra_bias: Option<Tensor<4>>,
     device: &Device,
 ) -> ScoreMasks {
     let MaskGeometry {
@@ -127,6 +132,15 @@ pub(crate) fn build_masks(
         Some(MaskValues::Bool(mask)) => forbid = Some(or_broadcast(forbid, mask)),
         Some(MaskValues::Float(values)) => bias = Some(values),
         None => {}
+    }
+    if let Some(extra) = extra_forbid {
+        forbid = Some(or_broadcast(forbid, extra));
+    }
+    if let Some(extra) = extra_bias {
+        bias = Some(match bias {
+            Some(values) => add_broadcast(values, extra),
+            None => extra,
+        });
     }
     let causal_in_kernel = causal && extra_keys == 0;
     if causal && !causal_in_kernel {
@@ -160,6 +174,13 @@ fn or_broadcast(a: Option<Tensor<4, Bool>>, b: Tensor<4, Bool>) -> Tensor<4, Boo
     let (a_dims, b_dims) = (a.dims(), b.dims());
     let dims: [usize; 4] = core::array::from_fn(|axis| a_dims[axis].max(b_dims[axis]));
     a.expand(dims).bool_or(b.expand(dims))
+}
+
+/// `a + b` over the broadcast of their shapes.
+fn add_broadcast(a: Tensor<4>, b: Tensor<4>) -> Tensor<4> {
+    let (a_dims, b_dims) = (a.dims(), b.dims());
+    let dims: [usize; 4] = core::array::from_fn(|axis| a_dims[axis].max(b_dims[axis]));
+    a.expand(dims) + b.expand(dims)
 }
 
 #[cfg(test)]
@@ -201,7 +222,7 @@ mod tests {
             extra_keys: 1,
         };
         let padding = Tensor::<2, Bool>::from_data([[false, true], [false, false]], &device);
-        let masks = build_masks(Some(padding), None, true, geometry, &device);
+        let masks = build_masks(Some(padding), None, true, geometry, None, None, &device);
         assert!(
             !masks.causal,
             "causal goes into the bool mask when keys are appended"

@@ -2,11 +2,16 @@
 
 use burn::module::{Content, DisplaySettings, Module, ModuleDisplay, Param};
 use burn::nn::{Dropout, Linear};
-use burn::tensor::Tensor;
+use burn::tensor::{Bool, Device, Tensor, TensorData};
 
+use crate::alibi::alibi_bias;
+use crate::cache::{CacheError, CacheLimit, CrossAttentionCache, KvCache};
 use crate::input::{AttentionPath, AttentionWeights, MhaInput, MhaOutput, NeedWeights};
-use crate::kernel::{SoftmaxOptions, explicit_attention, fused_attention};
-use crate::mask::{MaskGeometry, build_masks, check_masks};
+use crate::kernel::{
+    ChunkSizes, SoftmaxOptions, chunked_attention, explicit_attention, fused_attention,
+};
+use crate::mask::{MaskGeometry, ScoreMasks, build_masks, check_masks};
+use crate::rotary::RopeConfig;
 use crate::shape::check_shape;
 
 /// Multi-head attention ("Attention Is All You Need"), with PyTorch `nn.MultiheadAttention`'s
@@ -60,6 +65,11 @@ pub struct MultiHeadAttention {
     pub add_zero_attn: bool,
     /// Whether the softmax is the quiet one.
     pub quiet_softmax: bool,
+    /// Rotary position embeddings of queries and keys.
+    #[module(skip)]
+    pub rope: Option<RopeConfig>,
+    /// Whether ALiBi's distance penalty is added to the scores.
+    pub alibi: bool,
 }
 
 impl ModuleDisplay for MultiHeadAttention {
@@ -82,8 +92,32 @@ impl ModuleDisplay for MultiHeadAttention {
             .add("add_bias_kv", &self.bias_k.is_some())
             .add("add_zero_attn", &self.add_zero_attn)
             .add("quiet_softmax", &self.quiet_softmax)
+            .add(
+                "rope",
+                &self.rope.as_ref().map(|rope| format!("{:?}", rope.layout)),
+            )
+            .add("alibi", &self.alibi)
             .optional()
     }
+}
+
+/// Above this many score elements (`batch · n_heads · seq_q · seq_k`, 64 Mi: 256 MiB of f32
+/// scores), [`AttentionPath::Auto`] takes the chunked path on a device without autodiff.
+pub const CHUNKED_THRESHOLD: usize = 1 << 26;
+
+/// The implementation one forward uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kernel {
+    Fused,
+    Explicit,
+    Chunked(ChunkSizes),
+}
+
+/// Shapes of one forward, read off its input.
+struct Dims {
+    batch: usize,
+    seq_q: usize,
+    seq_k: usize,
 }
 
 impl MultiHeadAttention {
@@ -105,13 +139,17 @@ impl MultiHeadAttention {
     /// - weights: `[batch, n_heads, seq_q, seq_k']` or `[batch, seq_q, seq_k']`, where `seq_k'`
     ///   counts the positions that `add_bias_kv` and `add_zero_attn` append
     ///
+    /// With RoPE or ALiBi, queries sit at positions `seq_k - seq_q ..` and keys at `0 ..`
+    /// (aligned at the end, as the causal mask and a KV cache are).
+    ///
     /// # Panics
     ///
     /// - if a tensor's shape does not match the above (the message names the argument, the
     ///   expected and the actual shape), or a sequence or the batch is empty;
-    /// - if [`AttentionPath::Fused`] is forced while weights are requested, dropout is active
-    ///   or the softmax is quiet, which the fused kernel cannot do.
+    /// - if [`AttentionPath::Fused`] or [`AttentionPath::Chunked`] is forced while weights are
+    ///   requested, dropout is active or the softmax is quiet, which those kernels cannot do.
     pub fn forward(&self, input: MhaInput) -> MhaOutput {
+        let dims = self.check_sequences(&input.query, &input.key, &input.value);
         let MhaInput {
             query,
             key,
@@ -122,6 +160,225 @@ impl MultiHeadAttention {
             need_weights,
             path,
         } = input;
+        let geometry = self.geometry(&dims, dims.seq_k);
+        check_masks(key_padding_mask.as_ref(), attn_mask.as_ref(), geometry);
+        let kernel = self.choose_kernel(path, need_weights, &query, &geometry);
+        let device = query.device();
+        let query_start = dims.seq_k.saturating_sub(dims.seq_q);
+
+        let query = self.project_query(query, query_start);
+        let (key, value) = self.project_key_value(key, value, 0);
+        let (key, value) = self.append_extra_positions(key, value);
+        let alibi = self.alibi.then(|| {
+            alibi_bias(
+                self.n_heads,
+                query_start,
+                dims.seq_q,
+                0,
+                dims.seq_k,
+                &device,
+            )
+        });
+        let masks = build_masks(
+            key_padding_mask,
+            attn_mask,
+            causal,
+            geometry,
+            None,
+            alibi,
+            &device,
+        );
+        self.attend(query, key, value, &masks, kernel, need_weights)
+    }
+
+    /// Incremental self-attention: `input` holds **only the new tokens** (as query, key and
+    /// value), whose keys and values are appended to `cache`. Each new query attends to every
+    /// cached position and to the new ones its masks allow — with `.causal()`, new token `i`
+    /// sees the cache and new tokens `≤ i` (bottom-right alignment). RoPE and ALiBi take the
+    /// positions from the cache.
+    ///
+    /// Feeding a sequence in any number of steps gives the outputs of one causal
+    /// [`forward`](Self::forward) over the whole sequence.
+    ///
+    /// `key_padding_mask` covers either the new keys (`[batch, new]`, remembered by the cache)
+    /// or cached plus new keys (`[batch, stored + new]`); `attn_mask` covers
+    /// `[new, stored + new]`.
+    ///
+    /// # Errors
+    ///
+    /// [`CacheError`] when the step would exceed a fixed capacity, changes the batch size or
+    /// brings a padding mask of another width; the cache is then unchanged.
+    ///
+    /// # Panics
+    ///
+    /// As [`forward`](Self::forward), and if the key and value do not have the query's length
+    /// (they are the new tokens).
+    pub fn forward_cached(
+        &self,
+        input: MhaInput,
+        cache: &mut KvCache,
+    ) -> Result<MhaOutput, CacheError> {
+        let dims = self.check_sequences(&input.query, &input.key, &input.value);
+        assert!(
+            dims.seq_k == dims.seq_q,
+            "MultiHeadAttention: under a KV cache `key` and `value` are the new tokens and must have \
+             the query's length {}, got {}",
+            dims.seq_q,
+            dims.seq_k
+        );
+        let MhaInput {
+            query,
+            key,
+            value,
+            key_padding_mask,
+            attn_mask,
+            causal,
+            need_weights,
+            path,
+        } = input;
+        let new = dims.seq_q;
+        cache.check(dims.batch, new)?;
+        let device = query.device();
+        let padding = cache.padding_with(key_padding_mask, dims.batch, new, &device)?;
+        let stored = cache.stored();
+        let total = stored + new;
+        let first_query = cache.seen;
+        let first_key = cache.seen - stored;
+        let geometry = self.geometry(&dims, total);
+        check_masks(padding.as_ref(), attn_mask.as_ref(), geometry);
+        let kernel = self.choose_kernel(path, need_weights, &query, &geometry);
+
+        let query = self.project_query(query, first_query);
+        let (key, value) = self.project_key_value(key, value, first_query);
+        let (key, value) = match (&cache.key, &cache.value) {
+            (Some(past_key), Some(past_value)) => (
+                Tensor::cat(vec![past_key.clone(), key], 2),
+                Tensor::cat(vec![past_value.clone(), value], 2),
+            ),
+            _ => (key, value),
+        };
+        let band = match cache.limit {
+            CacheLimit::SlidingWindow(window) => Some(sliding_window_mask(
+                first_query,
+                new,
+                first_key,
+                total,
+                window,
+                &device,
+            )),
+            _ => None,
+        };
+        let alibi = self
+            .alibi
+            .then(|| alibi_bias(self.n_heads, first_query, new, first_key, total, &device));
+        let masks = build_masks(
+            padding.clone(),
+            attn_mask,
+            causal,
+            geometry,
+            band,
+            alibi,
+            &device,
+        );
+        let (attended_key, attended_value) =
+            self.append_extra_positions(key.clone(), value.clone());
+        let output = self.attend(
+            query,
+            attended_key,
+            attended_value,
+            &masks,
+            kernel,
+            need_weights,
+        );
+        cache.store(key, value, padding, new);
+        Ok(output)
+    }
+
+    /// Projects an encoder's memory once for a decoder's cross-attention; reuse the result at
+    /// every decoding step with [`forward_cross_cached`](Self::forward_cross_cached).
+    ///
+    /// # Shapes
+    ///
+    /// - key: `[batch, seq_k, d_key_input]`
+    /// - value: `[batch, seq_k, d_value_input]`
+    ///
+    /// # Panics
+    ///
+    /// On shapes as [`forward`](Self::forward), and for a module with RoPE or ALiBi, whose
+    /// positions are those of self-attention.
+    pub fn cross_attention_cache(&self, key: Tensor<3>, value: Tensor<3>) -> CrossAttentionCache {
+        assert!(
+            self.rope.is_none() && !self.alibi,
+            "MultiHeadAttention: a cross-attention cache needs a module without RoPE or ALiBi"
+        );
+        let [batch, seq_k, _] = key.dims();
+        let probe = Tensor::<3>::zeros([batch, 1, self.d_model], &key.device());
+        self.check_sequences(&probe, &key, &value);
+        let (key, value) = self.project_key_value(key, value, 0);
+        let (key, value) = self.append_extra_positions(key, value);
+        CrossAttentionCache {
+            key,
+            value,
+            seq_k,
+            key_padding_mask: None,
+        }
+    }
+
+    /// Cross-attention of `query` (`[batch, seq_q, d_model]`) over a memory projected once by
+    /// [`cross_attention_cache`](Self::cross_attention_cache). Gives the outputs of
+    /// [`forward`](Self::forward) with the memory as key and value.
+    ///
+    /// # Panics
+    ///
+    /// If `query` does not have shape `[batch, seq_q, d_model]` with the memory's batch.
+    pub fn forward_cross_cached(
+        &self,
+        query: Tensor<3>,
+        cache: &CrossAttentionCache,
+        need_weights: NeedWeights,
+    ) -> MhaOutput {
+        let [batch, seq_q, _] = query.dims();
+        check_shape(
+            "query",
+            query.dims(),
+            [
+                ("batch", Some(cache.key.dims()[0])),
+                ("seq_q", None),
+                ("d_model", Some(self.d_model)),
+            ],
+        );
+        let dims = Dims {
+            batch,
+            seq_q,
+            seq_k: cache.seq_k,
+        };
+        let geometry = self.geometry(&dims, cache.seq_k);
+        check_masks(cache.key_padding_mask.as_ref(), None, geometry);
+        let kernel = self.choose_kernel(AttentionPath::Auto, need_weights, &query, &geometry);
+        let device = query.device();
+        let query = self.project_query(query, 0);
+        let masks = build_masks(
+            cache.key_padding_mask.clone(),
+            None,
+            false,
+            geometry,
+            None,
+            None,
+            &device,
+        );
+        self.attend(
+            query,
+            cache.key.clone(),
+            cache.value.clone(),
+            &masks,
+            kernel,
+            need_weights,
+        )
+    }
+
+    /// Checks the three sequences' shapes.
+    #[track_caller]
+    fn check_sequences(&self, query: &Tensor<3>, key: &Tensor<3>, value: &Tensor<3>) -> Dims {
         let [batch, seq_q, _] = query.dims();
         let seq_k = key.dims()[1];
         check_shape(
@@ -158,46 +415,21 @@ impl MultiHeadAttention {
             query.dims(),
             key.dims()
         );
-        let extra_keys = usize::from(self.bias_k.is_some()) + usize::from(self.add_zero_attn);
-        let geometry = MaskGeometry {
+        Dims {
             batch,
-            n_heads: self.n_heads,
             seq_q,
             seq_k,
-            extra_keys,
-        };
-        check_masks(key_padding_mask.as_ref(), attn_mask.as_ref(), geometry);
-        let fused = self.choose_fused(path, need_weights, &query);
+        }
+    }
 
-        let query = self.split_heads(self.query.forward(query), self.n_heads);
-        let (key, value) = self.project_key_value(key, value);
-        let masks = build_masks(
-            key_padding_mask,
-            attn_mask,
-            causal,
-            geometry,
-            &query.device(),
-        );
-        let options = SoftmaxOptions {
-            scale: self.scale,
-            default_scale: self.default_scale,
-            quiet: self.quiet_softmax,
-        };
-        let (context, weights) = if fused {
-            (fused_attention(query, key, value, masks, options), None)
-        } else {
-            let (context, weights) =
-                explicit_attention(query, key, value, &masks, options, &self.dropout);
-            (context, Some(weights))
-        };
-        let context = self.output.forward(merge_heads(context));
-        let weights = match need_weights {
-            NeedWeights::None => None,
-            NeedWeights::PerHead => weights.map(AttentionWeights::PerHead),
-            NeedWeights::Averaged => weights
-                .map(|weights| AttentionWeights::Averaged(weights.mean_dim(1).squeeze_dim(1))),
-        };
-        MhaOutput { context, weights }
+    fn geometry(&self, dims: &Dims, seq_k: usize) -> MaskGeometry {
+        MaskGeometry {
+            batch: dims.batch,
+            n_heads: self.n_heads,
+            seq_q: dims.seq_q,
+            seq_k,
+            extra_keys: usize::from(self.bias_k.is_some()) + usize::from(self.add_zero_attn),
+        }
     }
 
     /// Whether dropout changes the weights in this forward: training mode, an autodiff
@@ -208,12 +440,13 @@ impl MultiHeadAttention {
             && query.device().is_autodiff()
     }
 
-    fn choose_fused(
+    fn choose_kernel(
         &self,
         path: AttentionPath,
         need_weights: NeedWeights,
         query: &Tensor<3>,
-    ) -> bool {
+        geometry: &MaskGeometry,
+    ) -> Kernel {
         let blocker = if need_weights != NeedWeights::None {
             Some("attention weights are requested")
         } else if self.dropout_active(query) {
@@ -223,33 +456,116 @@ impl MultiHeadAttention {
         } else {
             None
         };
-        match (path, blocker) {
-            (AttentionPath::Explicit, _) => false,
-            (AttentionPath::Auto, blocker) => blocker.is_none(),
-            (AttentionPath::Fused, None) => true,
-            (AttentionPath::Fused, Some(reason)) => panic!(
-                "MultiHeadAttention: `AttentionPath::Fused` was forced but {reason}, which the \
-                 fused kernel cannot do; use `AttentionPath::Auto` or `AttentionPath::Explicit`"
+        let forced = |kernel: Kernel, name: &str| match blocker {
+            None => kernel,
+            Some(reason) => panic!(
+                "MultiHeadAttention: `{name}` was forced but {reason}, which that kernel cannot \
+                 do; use `AttentionPath::Auto` or `AttentionPath::Explicit`"
             ),
+        };
+        let score_elements = geometry.batch
+            * geometry.n_heads
+            * geometry.seq_q
+            * (geometry.seq_k + geometry.extra_keys);
+        match path {
+            AttentionPath::Explicit => Kernel::Explicit,
+            AttentionPath::Fused => forced(Kernel::Fused, "AttentionPath::Fused"),
+            AttentionPath::Chunked(sizes) => {
+                forced(Kernel::Chunked(sizes), "AttentionPath::Chunked")
+            }
+            AttentionPath::Auto if blocker.is_some() => Kernel::Explicit,
+            AttentionPath::Auto
+                if score_elements > CHUNKED_THRESHOLD && !query.device().is_autodiff() =>
+            {
+                Kernel::Chunked(ChunkSizes::default())
+            }
+            AttentionPath::Auto => Kernel::Fused,
         }
     }
 
-    /// Projects key and value, appends `bias_k`/`bias_v` and the zero position, and splits
-    /// heads: `[batch, n_kv_heads, seq_k + extra_keys, head_dim]` each.
-    fn project_key_value(&self, key: Tensor<3>, value: Tensor<3>) -> (Tensor<4>, Tensor<4>) {
-        let mut key = self.key.forward(key);
-        let mut value = self.value.forward(value);
+    /// `[batch, seq_q, d_model]` → query heads `[batch, n_heads, seq_q, head_dim]`, rotated
+    /// from position `start` with RoPE.
+    fn project_query(&self, query: Tensor<3>, start: usize) -> Tensor<4> {
+        let query = self.split_heads(self.query.forward(query), self.n_heads);
+        match &self.rope {
+            Some(rope) => rope.apply(query, start),
+            None => query,
+        }
+    }
+
+    /// Projects key and value to heads, `[batch, n_kv_heads, seq_k, head_dim]` each, keys
+    /// rotated from position `start` with RoPE.
+    fn project_key_value(
+        &self,
+        key: Tensor<3>,
+        value: Tensor<3>,
+        start: usize,
+    ) -> (Tensor<4>, Tensor<4>) {
+        let key = self.split_heads(self.key.forward(key), self.n_kv_heads);
+        let value = self.split_heads(self.value.forward(value), self.n_kv_heads);
+        let key = match &self.rope {
+            Some(rope) => rope.apply(key, start),
+            None => key,
+        };
+        (key, value)
+    }
+
+    /// Appends `bias_k`/`bias_v` and the all-zero position (`add_bias_kv`, `add_zero_attn`).
+    fn append_extra_positions(
+        &self,
+        mut key: Tensor<4>,
+        mut value: Tensor<4>,
+    ) -> (Tensor<4>, Tensor<4>) {
         if let (Some(bias_k), Some(bias_v)) = (&self.bias_k, &self.bias_v) {
             key = append_position(key, bias_k.val());
             value = append_position(value, bias_v.val());
         }
-        let mut key = self.split_heads(key, self.n_kv_heads);
-        let mut value = self.split_heads(value, self.n_kv_heads);
         if self.add_zero_attn {
             key = append_zero_position(key);
             value = append_zero_position(value);
         }
         (key, value)
+    }
+
+    /// The kernel, the head merge and the output projection.
+    fn attend(
+        &self,
+        query: Tensor<4>,
+        key: Tensor<4>,
+        value: Tensor<4>,
+        masks: &ScoreMasks,
+        kernel: Kernel,
+        need_weights: NeedWeights,
+    ) -> MhaOutput {
+        let options = SoftmaxOptions {
+            scale: self.scale,
+            default_scale: self.default_scale,
+            quiet: self.quiet_softmax,
+        };
+        let (context, weights) = match kernel {
+            Kernel::Fused => (
+                fused_attention(query, key, value, masks.clone(), options),
+                None,
+            ),
+            Kernel::Chunked(sizes) => (
+                chunked_attention(query, key, value, masks, options, sizes),
+                None,
+            ),
+            Kernel::Explicit => {
+                let (context, weights) =
+                    explicit_attention(query, key, value, masks, options, &self.dropout);
+                (context, Some(weights))
+            }
+        };
+        let context = self.output.forward(merge_heads(context));
+        let weights = match need_weights {
+            NeedWeights::None => None,
+            NeedWeights::PerHead => weights.map(AttentionWeights::PerHead),
+            NeedWeights::Averaged => {
+                weights.map(|weights| AttentionWeights::PerHead(weights).averaged_variant())
+            }
+        };
+        MhaOutput { context, weights }
     }
 
     /// `[batch, seq, heads · head_dim]` → `[batch, heads, seq, head_dim]`.
@@ -260,17 +576,37 @@ impl MultiHeadAttention {
     }
 }
 
+/// Sliding-window band for queries at `first_query..` over keys at `first_key..`: `true` where
+/// the key is `window` or more positions before the query.
+fn sliding_window_mask(
+    first_query: usize,
+    new: usize,
+    first_key: usize,
+    total: usize,
+    window: usize,
+    device: &Device,
+) -> Tensor<4, Bool> {
+    let values: Vec<bool> = (0..new)
+        .flat_map(|q| (0..total).map(move |k| first_key + k + window <= first_query + q))
+        .collect();
+    Tensor::<2, Bool>::from_data(TensorData::new(values, [new, total]), device)
+        .reshape([1, 1, new, total])
+}
+
 /// `[batch, heads, seq, head_dim]` → `[batch, seq, heads · head_dim]`.
 fn merge_heads(x: Tensor<4>) -> Tensor<3> {
     let [batch, heads, seq, head_dim] = x.dims();
     x.swap_dims(1, 2).reshape([batch, seq, heads * head_dim])
 }
 
-/// Appends `position` (`[width]`) to every sequence of `x` (`[batch, seq, width]`).
-fn append_position(x: Tensor<3>, position: Tensor<1>) -> Tensor<3> {
-    let [batch, _, width] = x.dims();
-    let position = position.reshape([1, 1, width]).expand([batch, 1, width]);
-    Tensor::cat(vec![x, position], 1)
+/// Appends `position` (`[heads · head_dim]`) to every head's sequence of `x`
+/// (`[batch, heads, seq, head_dim]`).
+fn append_position(x: Tensor<4>, position: Tensor<1>) -> Tensor<4> {
+    let [batch, heads, _, head_dim] = x.dims();
+    let position = position
+        .reshape([1, heads, 1, head_dim])
+        .expand([batch, heads, 1, head_dim]);
+    Tensor::cat(vec![x, position], 2)
 }
 
 /// Appends an all-zero position to every head's sequence.

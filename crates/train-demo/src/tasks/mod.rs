@@ -15,6 +15,7 @@ pub const IGNORE: i64 = -1;
 
 /// How the model reads an example.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
 pub enum Architecture {
     /// Bidirectional self-attention over `source`; one prediction per position.
     Encoder,
@@ -36,6 +37,7 @@ pub struct Example {
 
 /// The tasks the demo trains on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum TaskKind {
     /// Reverse a sequence (encoder only).
     Reverse,

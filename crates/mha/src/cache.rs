@@ -1,0 +1,261 @@
+//! Key/value caches for incremental decoding: projected keys and values are stored, never
+//! queries, so a step that feeds `n` new tokens costs `O(n · cached length)`.
+
+use core::fmt;
+
+use burn::tensor::{Bool, Device, Tensor};
+
+/// How many key/value positions a [`KvCache`] keeps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CacheLimit {
+    /// Every position (the default).
+    Unbounded,
+    /// At most this many positions; a step that would exceed it is refused with
+    /// [`CacheError::CapacityExceeded`].
+    Fixed(usize),
+    /// Sliding-window attention: each query sees itself and the `window - 1` positions before
+    /// it; older entries are evicted (as candle's rotating cache).
+    SlidingWindow(usize),
+}
+
+/// Why a cached forward was refused. The cache is left unchanged.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CacheError {
+    /// The new tokens would take a [`CacheLimit::Fixed`] cache past its capacity.
+    CapacityExceeded {
+        /// The cache's capacity.
+        capacity: usize,
+        /// Positions already cached.
+        cached: usize,
+        /// Positions this step adds.
+        new: usize,
+    },
+    /// The batch size differs from the one the cache was started with.
+    BatchChanged {
+        /// The cache's batch size.
+        cached: usize,
+        /// This step's.
+        new: usize,
+    },
+    /// The `key_padding_mask` covers neither the new keys nor cached plus new keys.
+    PaddingWidth {
+        /// The mask's width.
+        width: usize,
+        /// Positions already cached.
+        cached: usize,
+        /// Positions this step adds.
+        new: usize,
+    },
+}
+
+impl fmt::Display for CacheError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::CapacityExceeded {
+                capacity,
+                cached,
+                new,
+            } => write!(
+                f,
+                "KV cache capacity exceeded: {cached} cached + {new} new positions > capacity \
+                 {capacity} (use CacheLimit::SlidingWindow to evict old positions)"
+            ),
+            Self::BatchChanged { cached, new } => write!(
+                f,
+                "KV cache batch size changed mid-sequence: the cache holds batch {cached}, this \
+                 step has batch {new} (start a new cache with KvCache::reset)"
+            ),
+            Self::PaddingWidth { width, cached, new } => write!(
+                f,
+                "`key_padding_mask` has width {width}; under a KV cache it covers the new keys \
+                 ({new}) or cached plus new keys ({})",
+                cached + new
+            ),
+        }
+    }
+}
+
+impl core::error::Error for CacheError {}
+
+/// The projected keys and values of a self-attention layer's past positions.
+///
+/// ```
+/// use burn::tensor::{Device, Distribution, Tensor};
+/// use mha::{KvCache, MhaInput, MultiHeadAttentionConfig};
+///
+/// let device = Device::flex();
+/// let attention = MultiHeadAttentionConfig::new(16, 4).init(&device);
+/// let mut cache = KvCache::new();
+/// let prompt = Tensor::<3>::random([1, 5, 16], Distribution::Default, &device);
+/// attention.forward_cached(MhaInput::self_attn(prompt).causal(), &mut cache).unwrap();
+/// let next = Tensor::<3>::random([1, 1, 16], Distribution::Default, &device);
+/// let output = attention.forward_cached(MhaInput::self_attn(next).causal(), &mut cache).unwrap();
+/// assert_eq!(output.context.dims(), [1, 1, 16]);
+/// assert_eq!(cache.len(), 6);
+/// ```
+#[derive(Debug, Clone)]
+pub struct KvCache {
+    /// `[batch, n_kv_heads, stored, head_dim]`.
+    pub(crate) key: Option<Tensor<4>>,
+    pub(crate) value: Option<Tensor<4>>,
+    /// `[batch, stored]`, `true` = padding; `None` while no step gave a padding mask.
+    pub(crate) padding: Option<Tensor<2, Bool>>,
+    /// Positions seen since the start (the next token's absolute position).
+    pub(crate) seen: usize,
+    pub(crate) limit: CacheLimit,
+}
+
+impl Default for KvCache {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl KvCache {
+    /// An empty, unbounded cache.
+    pub fn new() -> Self {
+        Self::with_limit(CacheLimit::Unbounded)
+    }
+
+    /// An empty cache with a capacity or a sliding window.
+    ///
+    /// # Panics
+    ///
+    /// Panics on a zero capacity or window.
+    pub fn with_limit(limit: CacheLimit) -> Self {
+        if let CacheLimit::Fixed(0) | CacheLimit::SlidingWindow(0) = limit {
+            panic!("KvCache: a capacity or window of 0 positions can hold nothing");
+        }
+        Self {
+            key: None,
+            value: None,
+            padding: None,
+            seen: 0,
+            limit,
+        }
+    }
+
+    /// Positions fed so far (the absolute position of the next token).
+    pub fn len(&self) -> usize {
+        self.seen
+    }
+
+    /// Whether nothing was fed yet.
+    pub fn is_empty(&self) -> bool {
+        self.seen == 0
+    }
+
+    /// Positions held now (fewer than [`len`](Self::len) once a sliding window evicts).
+    pub fn stored(&self) -> usize {
+        self.key.as_ref().map_or(0, |key| key.dims()[2])
+    }
+
+    /// Empties the cache, keeping its limit.
+    pub fn reset(&mut self) {
+        *self = Self::with_limit(self.limit);
+    }
+
+    pub(crate) fn batch(&self) -> Option<usize> {
+        self.key.as_ref().map(|key| key.dims()[0])
+    }
+
+    /// Refuses a step before anything changes.
+    pub(crate) fn check(&self, batch: usize, new: usize) -> Result<(), CacheError> {
+        if let Some(cached) = self.batch()
+            && cached != batch
+        {
+            return Err(CacheError::BatchChanged { cached, new: batch });
+        }
+        if let CacheLimit::Fixed(capacity) = self.limit
+            && self.seen + new > capacity
+        {
+            return Err(CacheError::CapacityExceeded {
+                capacity,
+                cached: self.seen,
+                new,
+            });
+        }
+        Ok(())
+    }
+
+    /// The padding of stored plus new keys, given this step's mask (`[batch, new]` or
+    /// `[batch, stored + new]`).
+    pub(crate) fn padding_with(
+        &self,
+        mask: Option<Tensor<2, Bool>>,
+        batch: usize,
+        new: usize,
+        device: &Device,
+    ) -> Result<Option<Tensor<2, Bool>>, CacheError> {
+        let stored = self.stored();
+        let Some(mask) = mask else {
+            return Ok(self.padding.clone().map(|past| {
+                let none = Tensor::<2, Bool>::zeros([batch, new], device);
+                Tensor::cat(vec![past, none], 1)
+            }));
+        };
+        let width = mask.dims()[1];
+        if width == stored + new {
+            Ok(Some(mask))
+        } else if width == new {
+            let past = self
+                .padding
+                .clone()
+                .unwrap_or_else(|| Tensor::<2, Bool>::zeros([batch, stored], device));
+            Ok(Some(Tensor::cat(vec![past, mask], 1)))
+        } else {
+            Err(CacheError::PaddingWidth {
+                width,
+                cached: stored,
+                new,
+            })
+        }
+    }
+
+    /// Stores the new keys/values (and padding), evicting what a sliding window no longer
+    /// needs: the `window - 1` latest positions are kept for the next token.
+    pub(crate) fn store(
+        &mut self,
+        key: Tensor<4>,
+        value: Tensor<4>,
+        padding: Option<Tensor<2, Bool>>,
+        new: usize,
+    ) {
+        self.seen += new;
+        let (mut key, mut value, mut padding) = (key, value, padding);
+        if let CacheLimit::SlidingWindow(window) = self.limit {
+            let stored = key.dims()[2];
+            let keep = (window - 1).min(stored);
+            let drop = stored - keep;
+            if drop > 0 {
+                key = key.narrow(2, drop, keep);
+                value = value.narrow(2, drop, keep);
+                padding = padding.map(|p| p.narrow(1, drop, keep));
+            }
+        }
+        self.key = Some(key);
+        self.value = Some(value);
+        self.padding = padding;
+    }
+}
+
+/// Keys and values of a fixed memory (an encoder's output), projected once and reused by a
+/// decoder's cross-attention at every step. Made by
+/// [`MultiHeadAttention::cross_attention_cache`](crate::MultiHeadAttention::cross_attention_cache).
+#[derive(Debug, Clone)]
+pub struct CrossAttentionCache {
+    /// `[batch, n_kv_heads, seq_k (+ appended positions), head_dim]`.
+    pub(crate) key: Tensor<4>,
+    pub(crate) value: Tensor<4>,
+    /// The memory's own length (before `add_bias_kv`/`add_zero_attn` positions).
+    pub(crate) seq_k: usize,
+    pub(crate) key_padding_mask: Option<Tensor<2, Bool>>,
+}
+
+impl CrossAttentionCache {
+    /// Ignores memory positions (`[batch, seq_k]`, `true` = padding) at every step.
+    pub fn with_key_padding_mask(mut self, mask: Tensor<2, Bool>) -> Self {
+        self.key_padding_mask = Some(mask);
+        self
+    }
+}

@@ -1,0 +1,396 @@
+//! KV cache, RoPE, ALiBi and the chunked path, on every test device.
+
+mod common;
+
+use burn::tensor::{Bool, Device, Tensor, TensorData};
+use common::{assert_close, randn, test_devices, tolerance};
+use mha::{
+    AttentionPath, CacheError, CacheLimit, ChunkSizes, KvCache, MhaInput, MultiHeadAttention,
+    MultiHeadAttentionConfig, NeedWeights, RopeConfig, RopeLayout,
+};
+
+fn configs() -> Vec<(&'static str, MultiHeadAttentionConfig)> {
+    let base = MultiHeadAttentionConfig::new(16, 4);
+    vec![
+        ("mha", base.clone()),
+        ("gqa", base.clone().with_n_kv_heads(Some(2))),
+        ("mqa", base.clone().with_n_kv_heads(Some(1))),
+        ("mha+rope", base.clone().with_rope(Some(RopeConfig::new()))),
+        (
+            "gqa+rope-half",
+            base.clone()
+                .with_n_kv_heads(Some(2))
+                .with_rope(Some(RopeConfig::new().with_layout(RopeLayout::HalfSplit))),
+        ),
+        (
+            "mqa+alibi",
+            base.clone().with_n_kv_heads(Some(1)).with_alibi(true),
+        ),
+        (
+            "bias_kv+zero_attn",
+            base.with_add_bias_kv(true).with_add_zero_attn(true),
+        ),
+    ]
+}
+
+/// Feeds `x` in steps of `chunks` tokens and concatenates the outputs.
+fn decode(
+    module: &MultiHeadAttention,
+    x: &Tensor<3>,
+    chunks: &[usize],
+    cache: &mut KvCache,
+) -> Tensor<3> {
+    let mut outputs = Vec::new();
+    let mut start = 0;
+    for &length in chunks {
+        let step = x.clone().narrow(1, start, length);
+        let output = module
+            .forward_cached(MhaInput::self_attn(step).causal(), cache)
+            .expect("within limits");
+        outputs.push(output.context);
+        start += length;
+    }
+    Tensor::cat(outputs, 1)
+}
+
+#[test]
+fn cached_decoding_in_any_steps_equals_one_causal_forward() {
+    for (name, device) in test_devices() {
+        device.seed(11);
+        for (label, config) in configs() {
+            let module = config.init(&device);
+            let x = randn([2, 9, 16], &device);
+            let full = module
+                .forward(MhaInput::self_attn(x.clone()).causal())
+                .context;
+            for chunks in [vec![1; 9], vec![3, 1, 5], vec![9]] {
+                let mut cache = KvCache::new();
+                let decoded = decode(&module, &x, &chunks, &mut cache);
+                assert_eq!(cache.len(), 9);
+                assert_close(
+                    &format!("{name} {label} chunks {chunks:?}"),
+                    decoded,
+                    full.clone(),
+                    tolerance(name),
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn cached_padding_covers_cached_and_new_keys() {
+    for (name, device) in test_devices() {
+        device.seed(12);
+        let module = MultiHeadAttentionConfig::new(8, 2).init(&device);
+        let x = randn([2, 5, 8], &device);
+        let padding = Tensor::<2, Bool>::from_data(
+            [
+                [false, true, false, false, false],
+                [false, false, false, true, false],
+            ],
+            &device,
+        );
+        let full = module
+            .forward(
+                MhaInput::self_attn(x.clone())
+                    .causal()
+                    .key_padding_mask(padding.clone()),
+            )
+            .context;
+        // Masks of the new keys only, remembered by the cache...
+        let mut cache = KvCache::new();
+        let mut outputs = Vec::new();
+        for (start, length) in [(0, 2), (2, 3)] {
+            let step = MhaInput::self_attn(x.clone().narrow(1, start, length))
+                .causal()
+                .key_padding_mask(padding.clone().narrow(1, start, length));
+            outputs.push(module.forward_cached(step, &mut cache).unwrap().context);
+        }
+        assert_close(
+            &format!("{name}: new-key masks"),
+            Tensor::cat(outputs, 1),
+            full.clone(),
+            tolerance(name),
+        );
+        // ...or of cached plus new keys.
+        let mut cache = KvCache::new();
+        let first = module
+            .forward_cached(
+                MhaInput::self_attn(x.clone().narrow(1, 0, 2))
+                    .causal()
+                    .key_padding_mask(padding.clone().narrow(1, 0, 2)),
+                &mut cache,
+            )
+            .unwrap()
+            .context;
+        let second = module
+            .forward_cached(
+                MhaInput::self_attn(x.clone().narrow(1, 2, 3))
+                    .causal()
+                    .key_padding_mask(padding.clone()),
+                &mut cache,
+            )
+            .unwrap()
+            .context;
+        assert_close(
+            &format!("{name}: full-width masks"),
+            Tensor::cat(vec![first, second], 1),
+            full,
+            tolerance(name),
+        );
+    }
+}
+
+/// `true` where key `k` is outside query `q`'s causal window of `window` positions.
+fn band_mask(seq: usize, window: usize, device: &Device) -> Tensor<2, Bool> {
+    let values: Vec<bool> = (0..seq)
+        .flat_map(|q| (0..seq).map(move |k| k > q || k + window <= q))
+        .collect();
+    Tensor::from_data(TensorData::new(values, [seq, seq]), device)
+}
+
+#[test]
+fn sliding_window_cache_equals_banded_attention_and_evicts() {
+    for (name, device) in test_devices() {
+        device.seed(13);
+        let module = MultiHeadAttentionConfig::new(8, 2)
+            .with_rope(Some(RopeConfig::new()))
+            .init(&device);
+        let x = randn([1, 10, 8], &device);
+        let window = 4;
+        let full = module
+            .forward(MhaInput::self_attn(x.clone()).attn_mask(band_mask(10, window, &device)))
+            .context;
+        for chunks in [vec![1; 10], vec![3, 1, 4, 2]] {
+            let mut cache = KvCache::with_limit(CacheLimit::SlidingWindow(window));
+            let decoded = decode(&module, &x, &chunks, &mut cache);
+            assert!(
+                cache.stored() < window,
+                "{name}: evicted down to window - 1"
+            );
+            assert_eq!(cache.len(), 10);
+            assert_close(
+                &format!("{name}: sliding {chunks:?}"),
+                decoded,
+                full.clone(),
+                tolerance(name),
+            );
+        }
+    }
+}
+
+#[test]
+fn capacity_and_batch_changes_are_refused_and_leave_the_cache_unchanged() {
+    let device = Device::flex();
+    let module = MultiHeadAttentionConfig::new(8, 2).init(&device);
+    let mut cache = KvCache::with_limit(CacheLimit::Fixed(4));
+    module
+        .forward_cached(
+            MhaInput::self_attn(randn([2, 3, 8], &device)).causal(),
+            &mut cache,
+        )
+        .unwrap();
+    let too_many =
+        module.forward_cached(MhaInput::self_attn(randn([2, 2, 8], &device)), &mut cache);
+    assert_eq!(
+        too_many.unwrap_err(),
+        CacheError::CapacityExceeded {
+            capacity: 4,
+            cached: 3,
+            new: 2
+        }
+    );
+    let other_batch =
+        module.forward_cached(MhaInput::self_attn(randn([3, 1, 8], &device)), &mut cache);
+    let error = other_batch.unwrap_err();
+    assert_eq!(error, CacheError::BatchChanged { cached: 2, new: 3 });
+    assert!(
+        error
+            .to_string()
+            .contains("batch size changed mid-sequence")
+    );
+    let bad_padding = module.forward_cached(
+        MhaInput::self_attn(randn([2, 1, 8], &device))
+            .key_padding_mask(Tensor::zeros([2, 2], &device)),
+        &mut cache,
+    );
+    assert_eq!(
+        bad_padding.unwrap_err(),
+        CacheError::PaddingWidth {
+            width: 2,
+            cached: 3,
+            new: 1
+        }
+    );
+    assert_eq!(
+        (cache.len(), cache.stored()),
+        (3, 3),
+        "refused steps change nothing"
+    );
+    module
+        .forward_cached(MhaInput::self_attn(randn([2, 1, 8], &device)), &mut cache)
+        .unwrap();
+    assert_eq!(cache.len(), 4);
+    cache.reset();
+    assert!(cache.is_empty());
+}
+
+#[test]
+fn cross_attention_cache_projects_the_memory_once_and_matches_forward() {
+    for (name, device) in test_devices() {
+        device.seed(14);
+        let module = MultiHeadAttentionConfig::new(12, 3)
+            .with_n_kv_heads(Some(1))
+            .with_d_key_input(Some(5))
+            .with_d_value_input(Some(7))
+            .with_add_zero_attn(true)
+            .init(&device);
+        let memory_keys = randn([2, 6, 5], &device);
+        let memory_values = randn([2, 6, 7], &device);
+        let padding = Tensor::<2, Bool>::from_data(
+            [[false; 6], [false, false, false, false, true, true]],
+            &device,
+        );
+        let cache = module
+            .cross_attention_cache(memory_keys.clone(), memory_values.clone())
+            .with_key_padding_mask(padding.clone());
+        let queries = randn([2, 4, 12], &device);
+        for step in 0..4 {
+            let query = queries.clone().narrow(1, step, 1);
+            let cached = module.forward_cross_cached(query.clone(), &cache, NeedWeights::PerHead);
+            let direct = module.forward(
+                MhaInput::new(query, memory_keys.clone(), memory_values.clone())
+                    .key_padding_mask(padding.clone())
+                    .need_weights(NeedWeights::PerHead),
+            );
+            assert_close(
+                &format!("{name} step {step}"),
+                cached.context,
+                direct.context,
+                tolerance(name),
+            );
+            assert_close(
+                &format!("{name} step {step} weights"),
+                cached.weights.unwrap().per_head().unwrap(),
+                direct.weights.unwrap().per_head().unwrap(),
+                tolerance(name),
+            );
+        }
+    }
+}
+
+#[test]
+fn rope_scores_depend_only_on_the_distance() {
+    for (name, device) in test_devices() {
+        device.seed(15);
+        for layout in [RopeLayout::Interleaved, RopeLayout::HalfSplit] {
+            let rope = RopeConfig::new().with_layout(layout);
+            let q = randn([1, 1, 1, 8], &device);
+            let k = randn([1, 1, 1, 8], &device);
+            let score = |m: usize, n: usize| {
+                (rope.apply(q.clone(), m) * rope.apply(k.clone(), n))
+                    .sum()
+                    .into_scalar::<f32>()
+            };
+            for (m, n, shift) in [(5, 2, 7), (0, 3, 11), (9, 9, 4)] {
+                let (a, b) = (score(m, n), score(m + shift, n + shift));
+                assert!((a - b).abs() < 1e-4, "{name} {layout:?}: {a} vs {b}");
+            }
+            assert!(
+                (score(5, 2) - score(2, 5)).abs() > 1e-3,
+                "{name} {layout:?}: sign of m - n matters"
+            );
+        }
+    }
+}
+
+#[test]
+fn chunked_path_equals_explicit_path() {
+    for (name, device) in test_devices() {
+        device.seed(16);
+        let module = MultiHeadAttentionConfig::new(16, 4)
+            .with_n_kv_heads(Some(2))
+            .with_add_bias_kv(true)
+            .with_alibi(true)
+            .init(&device);
+        let query = randn([2, 11, 16], &device);
+        let memory = randn([2, 13, 16], &device);
+        let padding = Tensor::<2, Bool>::from_data(
+            [
+                [false; 13],
+                [
+                    false, false, true, false, false, false, false, false, false, true, true, true,
+                    true,
+                ],
+            ],
+            &device,
+        );
+        let bias = randn([2, 4, 11, 13], &device);
+        let inputs = [
+            (
+                "plain",
+                MhaInput::new(query.clone(), memory.clone(), memory.clone()),
+            ),
+            (
+                "padding+causal",
+                MhaInput::new(query.clone(), memory.clone(), memory.clone())
+                    .key_padding_mask(padding.clone())
+                    .causal(),
+            ),
+            (
+                "float mask",
+                MhaInput::new(query.clone(), memory.clone(), memory.clone()).attn_mask(bias),
+            ),
+            ("self causal", MhaInput::self_attn(query.clone()).causal()),
+        ];
+        for (label, input) in inputs {
+            let explicit = module
+                .forward(input.clone().path(AttentionPath::Explicit))
+                .context;
+            for sizes in [
+                ChunkSizes { query: 4, key: 5 },
+                ChunkSizes { query: 1, key: 3 },
+                ChunkSizes::default(),
+            ] {
+                let chunked = module
+                    .forward(input.clone().path(AttentionPath::Chunked(sizes)))
+                    .context;
+                assert_close(
+                    &format!("{name} {label} {sizes:?}"),
+                    chunked,
+                    explicit.clone(),
+                    tolerance(name),
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn alibi_and_rope_positions_follow_the_cache() {
+    // The same module, fed a prefix then one token, equals the full forward's last row.
+    for (name, device) in test_devices() {
+        device.seed(17);
+        let module = MultiHeadAttentionConfig::new(8, 2)
+            .with_alibi(true)
+            .with_rope(Some(RopeConfig::new()))
+            .init(&device);
+        let x = randn([1, 6, 8], &device);
+        let full = module
+            .forward(MhaInput::self_attn(x.clone()).causal())
+            .context;
+        let mut cache = KvCache::new();
+        decode(&module, &x, &[5], &mut cache);
+        let last = module
+            .forward_cached(MhaInput::self_attn(x.narrow(1, 5, 1)).causal(), &mut cache)
+            .unwrap()
+            .context;
+        assert_close(
+            &format!("{name}: last token"),
+            last,
+            full.narrow(1, 5, 1),
+            tolerance(name),
+        );
+    }
+}
