@@ -118,7 +118,8 @@ fn argmax_last(logits: Tensor<3>) -> Vec<i64> {
         .expect("integer predictions")
 }
 
-/// Greedy decoding: the prompt is the decoder input up to the first scored position.
+/// Greedy decoding with the model's KV caches: the prompt is the decoder input up to the
+/// first scored position, then one new token per step.
 fn generate(
     model: &Transformer,
     task: &dyn Task,
@@ -131,7 +132,7 @@ fn generate(
         .iter()
         .position(|&t| t != IGNORE)
         .unwrap_or(0);
-    let mut sequences: Vec<Vec<usize>> = examples
+    let prompts: Vec<Vec<usize>> = examples
         .iter()
         .map(|e| e.decoder_input[..=first_scored].to_vec())
         .collect();
@@ -142,15 +143,25 @@ fn generate(
         }
         _ => None,
     };
+    let mut state = model.start_decoding(source);
+    let rows: Vec<&Vec<usize>> = prompts.iter().collect();
+    let mut logits = model.decode_step(tokens(&rows, device).expect("a prompt"), &mut state);
     let mut generated = vec![Vec::with_capacity(length); examples.len()];
-    for _ in 0..length {
-        let rows: Vec<&Vec<usize>> = sequences.iter().collect();
-        let logits = model.forward(source.clone(), tokens(&rows, device), &mut None);
-        let [_, seq, _] = logits.dims();
-        let next = argmax_last(logits.narrow(1, seq - 1, 1));
-        for (row, token) in next.into_iter().enumerate() {
+    for step in 0..length {
+        let next: Vec<i64> = logits
+            .clone()
+            .argmax(1)
+            .into_data()
+            .convert::<i64>()
+            .try_into_vec_as::<i64>()
+            .expect("integer predictions");
+        for (row, &token) in next.iter().enumerate() {
             generated[row].push(token);
-            sequences[row].push(token as usize);
+        }
+        if step + 1 < length {
+            let batch = next.len();
+            let input = Tensor::<2, Int>::from_data(TensorData::new(next, [batch, 1]), device);
+            logits = model.decode_step(input, &mut state);
         }
     }
     generated
@@ -198,4 +209,49 @@ pub fn attention_maps(model: &Transformer, example: &Example, device: &Device) -
         &mut weights,
     );
     weights.unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::TransformerConfig;
+    use crate::rng::Rng;
+    use crate::tasks::TaskKind;
+
+    #[test]
+    fn cached_decoding_gives_the_full_forward_logits() {
+        let device = Device::flex();
+        device.seed(4);
+        for kind in [TaskKind::Sort, TaskKind::Copy] {
+            let defaults = kind.defaults();
+            let task = kind.build(defaults.seq_len, defaults.vocab).unwrap();
+            let config = TransformerConfig {
+                architecture: task.architecture(),
+                vocab: task.vocab(),
+                max_len: task.max_len(),
+                d_model: 32,
+                heads: 4,
+                kv_heads: 2,
+                layers: 2,
+                no_attention: false,
+            };
+            let model = config.init(&device);
+            let examples: Vec<Example> = (0..3).map(|_| task.sample(&mut Rng::new(9))).collect();
+            let batch = Batch::new(&examples, &device);
+            let full = batch.logits(&model);
+            let [_, seq, vocab] = full.dims();
+            let mut state = model.start_decoding(batch.source.clone());
+            let decoder_input = batch.decoder_input.clone().unwrap();
+            for (start, length) in [(0, 2), (2, 1), (3, seq - 3)] {
+                let step =
+                    model.decode_step(decoder_input.clone().narrow(1, start, length), &mut state);
+                let expected = full
+                    .clone()
+                    .narrow(1, start + length - 1, 1)
+                    .reshape([3, vocab]);
+                let diff = (step - expected).abs().max().into_scalar::<f32>();
+                assert!(diff < 1e-4, "{kind:?} step at {start}: {diff}");
+            }
+        }
+    }
 }

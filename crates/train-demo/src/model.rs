@@ -8,7 +8,10 @@ use burn::nn::{
 };
 use burn::tensor::activation::gelu;
 use burn::tensor::{Device, Int, Tensor};
-use mha::{MhaInput, MultiHeadAttention, MultiHeadAttentionConfig, NeedWeights};
+use mha::{
+    CrossAttentionCache, KvCache, MhaInput, MultiHeadAttention, MultiHeadAttentionConfig,
+    NeedWeights,
+};
 
 use crate::tasks::Architecture;
 
@@ -116,6 +119,52 @@ impl Block {
     }
 }
 
+impl Block {
+    /// [`forward`](Self::forward) for the new tokens only, with this block's self-attention
+    /// cache and the memory's cross-attention cache.
+    fn forward_cached(
+        &self,
+        x: Tensor<3>,
+        cache: &mut KvCache,
+        cross: Option<&CrossAttentionCache>,
+    ) -> Tensor<3> {
+        let silence = |context: Tensor<3>| {
+            if self.no_attention {
+                context.zeros_like()
+            } else {
+                context
+            }
+        };
+        let normed = self.attention_norm.forward(x.clone());
+        let attended = self
+            .attention
+            .forward_cached(MhaInput::self_attn(normed).causal(), cache)
+            .expect("an unbounded cache accepts every step");
+        let x = x + silence(attended.context);
+        let x = match (&self.cross_attention, &self.cross_norm, cross) {
+            (Some(attention), Some(norm), Some(memory)) => {
+                let output = attention.forward_cross_cached(
+                    norm.forward(x.clone()),
+                    memory,
+                    NeedWeights::None,
+                );
+                x + silence(output.context)
+            }
+            _ => x,
+        };
+        let hidden = gelu(self.mlp_in.forward(self.mlp_norm.forward(x.clone())));
+        x + self.mlp_out.forward(hidden)
+    }
+}
+
+/// Incremental decoding: one KV cache per decoder block, the memory projected once for each
+/// cross-attention, and the next position.
+pub struct DecodeState {
+    caches: Vec<KvCache>,
+    cross: Vec<Option<CrossAttentionCache>>,
+    position: usize,
+}
+
 #[derive(Module, Debug)]
 pub struct Transformer {
     token_embedding: Embedding,
@@ -160,11 +209,72 @@ impl TransformerConfig {
 
 impl Transformer {
     fn embed(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
+        self.embed_from(tokens, 0)
+    }
+
+    /// Token plus position embeddings, the first token at position `start`.
+    fn embed_from(&self, tokens: Tensor<2, Int>, start: usize) -> Tensor<3> {
         let [batch, seq] = tokens.dims();
-        let positions = Tensor::<1, Int>::arange(0..seq as i64, &tokens.device())
-            .reshape([1, seq])
-            .expand([batch, seq]);
+        let positions =
+            Tensor::<1, Int>::arange(start as i64..(start + seq) as i64, &tokens.device())
+                .reshape([1, seq])
+                .expand([batch, seq]);
         self.token_embedding.forward(tokens) + self.position_embedding.forward(positions)
+    }
+
+    /// The encoder's output for `source` (normed for cross-attention), if there is an encoder.
+    fn encode(
+        &self,
+        source: Option<Tensor<2, Int>>,
+        weights: &mut Option<LayerWeights>,
+    ) -> Option<Tensor<3>> {
+        let mut memory = source.map(|tokens| self.embed(tokens));
+        for (index, block) in self.encoder.iter().enumerate() {
+            let x = memory.take().expect("encoder input");
+            memory = Some(block.forward(x, None, &format!("encoder {index}"), weights));
+        }
+        match &self.encoder_norm {
+            Some(norm) => memory.map(|m| norm.forward(m)),
+            None => memory,
+        }
+    }
+
+    /// Starts greedy decoding: encodes the source once and projects it for every
+    /// cross-attention.
+    pub fn start_decoding(&self, source: Option<Tensor<2, Int>>) -> DecodeState {
+        let memory = self.encode(source, &mut None);
+        let cross = self
+            .decoder
+            .iter()
+            .map(|block| match (&block.cross_attention, &memory) {
+                (Some(attention), Some(memory)) => {
+                    Some(attention.cross_attention_cache(memory.clone(), memory.clone()))
+                }
+                _ => None,
+            })
+            .collect();
+        DecodeState {
+            caches: self.decoder.iter().map(|_| KvCache::new()).collect(),
+            cross,
+            position: 0,
+        }
+    }
+
+    /// Feeds the new decoder tokens `[batch, new]` and returns the logits of the last one,
+    /// `[batch, vocab]`; each step costs O(length) thanks to the KV caches.
+    pub fn decode_step(&self, tokens: Tensor<2, Int>, state: &mut DecodeState) -> Tensor<2> {
+        let [batch, new] = tokens.dims();
+        let mut x = self.embed_from(tokens, state.position);
+        state.position += new;
+        for ((block, cache), cross) in self.decoder.iter().zip(&mut state.caches).zip(&state.cross)
+        {
+            x = block.forward_cached(x, cache, cross.as_ref());
+        }
+        let vocab = self.head.weight.dims()[1];
+        let last = x.narrow(1, new - 1, 1);
+        self.head
+            .forward(self.final_norm.forward(last))
+            .reshape([batch, vocab])
     }
 
     /// Logits `[batch, seq, vocab]` over the output sequence: the source's positions for an
@@ -176,14 +286,7 @@ impl Transformer {
         decoder_input: Option<Tensor<2, Int>>,
         weights: &mut Option<LayerWeights>,
     ) -> Tensor<3> {
-        let mut memory = source.map(|tokens| self.embed(tokens));
-        for (index, block) in self.encoder.iter().enumerate() {
-            let x = memory.take().expect("encoder input");
-            memory = Some(block.forward(x, None, &format!("encoder {index}"), weights));
-        }
-        if let Some(norm) = &self.encoder_norm {
-            memory = memory.map(|m| norm.forward(m));
-        }
+        let memory = self.encode(source, weights);
         let output = match decoder_input {
             Some(tokens) => {
                 let mut x = self.embed(tokens);

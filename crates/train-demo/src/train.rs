@@ -17,7 +17,7 @@ use crate::data::{Accuracy, Batch, accuracy, attention_maps, masked_cross_entrop
 use crate::model::Transformer;
 use crate::report::{MetricsRow, plot_attention, plot_curves, read_metrics, write_metrics};
 use crate::rng::Rng;
-use crate::tasks::{Example, Task, TaskKind};
+use crate::tasks::{Example, Task, TaskKind, sample_held_out, sample_train};
 
 /// Everything a training run needs to know.
 pub struct TrainSettings {
@@ -47,7 +47,11 @@ pub struct Summary {
 /// The held-out examples: another generator than the training data's.
 pub fn held_out(task: &dyn Task, seed: u64, count: usize) -> Vec<Example> {
     let mut rng = Rng::new(seed ^ 0x005E_ED0F_E7A1_u64);
-    (0..count).map(|_| task.sample(&mut rng)).collect()
+    let mut probe = rng.clone();
+    let has_split = (0..64).any(|_| task.is_held_out(&task.sample(&mut probe)));
+    (0..count)
+        .map(|_| sample_held_out(task, &mut rng, has_split))
+        .collect()
 }
 
 fn learning_rate(base: f64, step: usize, steps: usize) -> f64 {
@@ -139,7 +143,7 @@ pub fn train(settings: TrainSettings, interrupted: Arc<AtomicBool>) -> Result<Su
             break;
         }
         let examples: Vec<Example> = (0..identity.batch_size)
-            .map(|_| task.sample(&mut state.data_rng))
+            .map(|_| sample_train(task.as_ref(), &mut state.data_rng))
             .collect();
         let batch = Batch::new(&examples, &device);
         tokens_seen += batch.batch * batch.seq;

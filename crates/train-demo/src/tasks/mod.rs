@@ -70,12 +70,38 @@ pub trait Task {
     /// Longest input the model reads.
     fn max_len(&self) -> usize;
     fn sample(&self, rng: &mut Rng) -> Example;
+    /// Whether an example belongs to the held-out split (never trained on). Tasks with few
+    /// distinct inputs split them (sort holds out a quarter, as minGPT does); the others rely
+    /// on the held-out generator's other seed.
+    fn is_held_out(&self, _example: &Example) -> bool {
+        false
+    }
     /// For generative tasks: how many tokens to generate after the prompt, which is the
     /// part of `decoder_input` before the first scored position.
     fn generate_len(&self) -> Option<usize>;
     /// Token accuracy of a model that ignores the other positions.
     fn chance_token_accuracy(&self) -> f64;
     fn describe(&self) -> String;
+}
+
+/// A training example: outside the held-out split.
+pub fn sample_train(task: &dyn Task, rng: &mut Rng) -> Example {
+    loop {
+        let example = task.sample(rng);
+        if !task.is_held_out(&example) {
+            return example;
+        }
+    }
+}
+
+/// A held-out example: inside the held-out split where the task has one.
+pub fn sample_held_out(task: &dyn Task, rng: &mut Rng, has_split: bool) -> Example {
+    loop {
+        let example = task.sample(rng);
+        if !has_split || task.is_held_out(&example) {
+            return example;
+        }
+    }
 }
 
 impl TaskKind {

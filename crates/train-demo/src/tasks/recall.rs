@@ -81,8 +81,8 @@ impl Task for Recall {
         None
     }
     fn chance_token_accuracy(&self) -> f64 {
-        // A model that knows only "a value follows" picks among the values it has seen.
-        1.0 / self.pairs as f64
+        // One of the vocab / 2 value tokens.
+        2.0 / self.vocab as f64
     }
     fn describe(&self) -> String {
         format!(

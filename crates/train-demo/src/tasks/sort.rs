@@ -60,6 +60,14 @@ impl Task for Sort {
             target,
         }
     }
+    fn is_held_out(&self, example: &Example) -> bool {
+        // A quarter of the digit sequences, chosen by a hash of the digits.
+        let digits = &example.decoder_input[..self.seq_len];
+        let hash = digits.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &d| {
+            (h ^ d as u64).wrapping_mul(0x100_0000_01b3)
+        });
+        hash % 4 == 0
+    }
     fn generate_len(&self) -> Option<usize> {
         Some(self.seq_len)
     }
@@ -71,5 +79,30 @@ impl Task for Sort {
             "sort {} digits of 0..{} (causal decoder, generated)",
             self.seq_len, self.vocab
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tasks::{sample_held_out, sample_train};
+
+    #[test]
+    fn a_quarter_of_the_sequences_is_held_out_and_never_trained_on() {
+        let sort = Sort::new(6, 3).unwrap();
+        let mut rng = Rng::new(1);
+        let held: Vec<Example> = (0..300)
+            .map(|_| sample_held_out(&sort, &mut rng, true))
+            .collect();
+        let trained: Vec<Example> = (0..300).map(|_| sample_train(&sort, &mut rng)).collect();
+        assert!(trained.iter().all(|e| !held.contains(e)));
+        let fraction = (0..2000)
+            .filter(|_| sort.is_held_out(&sort.sample(&mut rng)))
+            .count() as f64
+            / 2000.0;
+        assert!(
+            (0.15..0.35).contains(&fraction),
+            "held-out fraction {fraction}"
+        );
     }
 }
