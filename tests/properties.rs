@@ -185,7 +185,8 @@ fn n_kv_heads_equal_to_n_heads_is_plain_mha() {
             &format!("{name}: n_kv_heads = n_heads"),
             plain.forward(MhaInput::self_attn(x.clone())).context,
             explicit_kv.forward(MhaInput::self_attn(x)).context,
-            0.0,
+            // Bit-identical on the CPU; wgpu's autotuner may pick another kernel per call.
+            if name == "wgpu" { tolerance(name) } else { 0.0 },
         );
     }
 }
