@@ -78,10 +78,12 @@ pub fn load_state(out: &Path) -> Result<RunState, String> {
         .map_err(|e| format!("checkpoint {} is corrupt: {e}", path.display()))
 }
 
-/// What differs between the checkpoint's run and this one, field by field.
+/// What differs between the checkpoint's run and this one, field by field. The step count may
+/// differ: a run can be resumed to train longer (its schedule then follows the new total).
 pub fn differences(saved: &RunIdentity, current: &RunIdentity) -> Vec<String> {
-    let saved_json = serde_json::to_value(saved).expect("serializes");
+    let mut saved_json = serde_json::to_value(saved).expect("serializes");
     let current_json = serde_json::to_value(current).expect("serializes");
+    saved_json["steps"] = current_json["steps"].clone();
     let mut differences = Vec::new();
     flatten_diff("", &saved_json, &current_json, &mut differences);
     differences
