@@ -222,7 +222,12 @@ mod tests {
     fn cached_decoding_gives_the_full_forward_logits() {
         let device = Device::flex();
         device.seed(4);
-        for kind in [TaskKind::Sort, TaskKind::Copy] {
+        for (kind, rotary) in [
+            (TaskKind::Sort, false),
+            (TaskKind::Copy, false),
+            (TaskKind::Sort, true),
+            (TaskKind::Copy, true),
+        ] {
             let defaults = kind.defaults();
             let task = kind.build(defaults.seq_len, defaults.vocab).unwrap();
             let config = TransformerConfig {
@@ -234,6 +239,7 @@ mod tests {
                 kv_heads: 2,
                 layers: 2,
                 no_attention: false,
+                rotary,
             };
             let model = config.init(&device);
             let examples: Vec<Example> = (0..3).map(|_| task.sample(&mut Rng::new(9))).collect();
@@ -250,7 +256,10 @@ mod tests {
                     .narrow(1, start + length - 1, 1)
                     .reshape([3, vocab]);
                 let diff = (step - expected).abs().max().into_scalar::<f32>();
-                assert!(diff < 1e-4, "{kind:?} step at {start}: {diff}");
+                assert!(
+                    diff < 1e-4,
+                    "{kind:?} rotary {rotary} step at {start}: {diff}"
+                );
             }
         }
     }

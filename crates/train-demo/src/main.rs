@@ -107,6 +107,9 @@ struct TrainArgs {
     /// Ablation: replace every attention output with zeros.
     #[arg(long)]
     no_attention: bool,
+    /// Rotary positions (true) or learned position embeddings (false); default: the task's.
+    #[arg(long)]
+    rotary: Option<bool>,
     /// Evaluate on held-out examples every N steps.
     #[arg(long, default_value_t = 100)]
     eval_every: usize,
@@ -149,6 +152,7 @@ fn identity(args: &TrainArgs) -> Result<RunIdentity, String> {
         kv_heads: args.kv_heads.unwrap_or(heads),
         layers: args.layers.unwrap_or(defaults.layers),
         no_attention: args.no_attention,
+        rotary: args.rotary.unwrap_or(defaults.rotary),
     };
     mha::MultiHeadAttentionConfig::new(model.d_model, model.heads)
         .with_n_kv_heads(Some(model.kv_heads))

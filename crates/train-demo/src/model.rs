@@ -10,7 +10,7 @@ use burn::tensor::activation::gelu;
 use burn::tensor::{Device, Int, Tensor};
 use mha::{
     CrossAttentionCache, KvCache, MhaInput, MultiHeadAttention, MultiHeadAttentionConfig,
-    NeedWeights,
+    NeedWeights, RopeConfig,
 };
 
 use crate::tasks::Architecture;
@@ -28,6 +28,8 @@ pub struct TransformerConfig {
     pub layers: usize,
     /// Replace every attention output with zeros (ablation).
     pub no_attention: bool,
+    /// Rotary positions in every self-attention instead of learned position embeddings.
+    pub rotary: bool,
 }
 
 /// Self-attention (and, in a decoder of an encoder-decoder, cross-attention) then an MLP, each
@@ -53,15 +55,14 @@ impl Block {
     fn new(config: &TransformerConfig, causal: bool, cross: bool, device: &Device) -> Self {
         let d = config.d_model;
         let attention = || {
-            MultiHeadAttentionConfig::new(d, config.heads)
-                .with_n_kv_heads(Some(config.kv_heads))
-                .init(device)
+            MultiHeadAttentionConfig::new(d, config.heads).with_n_kv_heads(Some(config.kv_heads))
         };
+        let rope = config.rotary.then(RopeConfig::new);
         Self {
             attention_norm: LayerNormConfig::new(d).init(device),
-            attention: attention(),
+            attention: attention().with_rope(rope).init(device),
             cross_norm: cross.then(|| LayerNormConfig::new(d).init(device)),
-            cross_attention: cross.then(attention),
+            cross_attention: cross.then(|| attention().init(device)),
             mlp_norm: LayerNormConfig::new(d).init(device),
             mlp_in: LinearConfig::new(d, 4 * d).init(device),
             mlp_out: LinearConfig::new(4 * d, d).init(device),
@@ -168,7 +169,7 @@ pub struct DecodeState {
 #[derive(Module, Debug)]
 pub struct Transformer {
     token_embedding: Embedding,
-    position_embedding: Embedding,
+    position_embedding: Option<Embedding>,
     encoder: Vec<Block>,
     decoder: Vec<Block>,
     encoder_norm: Option<LayerNorm>,
@@ -193,7 +194,7 @@ impl TransformerConfig {
         };
         Transformer {
             token_embedding: embedding(self.vocab),
-            position_embedding: embedding(self.max_len),
+            position_embedding: (!self.rotary).then(|| embedding(self.max_len)),
             encoder: (0..encoder_layers)
                 .map(|_| Block::new(self, false, false, device))
                 .collect(),
@@ -219,7 +220,11 @@ impl Transformer {
             Tensor::<1, Int>::arange(start as i64..(start + seq) as i64, &tokens.device())
                 .reshape([1, seq])
                 .expand([batch, seq]);
-        self.token_embedding.forward(tokens) + self.position_embedding.forward(positions)
+        let embedded = self.token_embedding.forward(tokens);
+        match &self.position_embedding {
+            Some(positions_table) => embedded + positions_table.forward(positions),
+            None => embedded,
+        }
     }
 
     /// The encoder's output for `source` (normed for cross-attention), if there is an encoder.

@@ -293,6 +293,7 @@ mod tests {
                 kv_heads: 2,
                 layers: 1,
                 no_attention,
+                rotary: false,
             },
             seq_len,
             batch_size: 32,

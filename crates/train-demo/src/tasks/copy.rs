@@ -16,6 +16,7 @@ pub const DEFAULTS: TaskDefaults = TaskDefaults {
     lr: 1e-3,
     seq_len: 10,
     vocab: 11,
+    rotary: false,
 };
 
 pub struct Copy {

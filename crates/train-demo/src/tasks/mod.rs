@@ -60,6 +60,8 @@ pub struct TaskDefaults {
     pub lr: f64,
     pub seq_len: usize,
     pub vocab: usize,
+    /// Rotary positions instead of learned position embeddings.
+    pub rotary: bool,
 }
 
 /// A task: draws examples, says how outputs are scored and what chance level is.

@@ -15,6 +15,7 @@ pub const DEFAULTS: TaskDefaults = TaskDefaults {
     // key-value pairs per sequence
     seq_len: 8,
     vocab: 64,
+    rotary: false,
 };
 
 pub struct Recall {

@@ -13,6 +13,7 @@ pub const DEFAULTS: TaskDefaults = TaskDefaults {
     lr: 1e-3,
     seq_len: 16,
     vocab: 10,
+    rotary: false,
 };
 
 pub struct Reverse {

@@ -13,6 +13,7 @@ pub const DEFAULTS: TaskDefaults = TaskDefaults {
     lr: 2e-3,
     seq_len: 6,
     vocab: 3,
+    rotary: false,
 };
 
 pub struct Sort {
