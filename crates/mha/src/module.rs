@@ -312,8 +312,12 @@ impl MultiHeadAttention {
             "MultiHeadAttention: a cross-attention cache needs a module without RoPE or ALiBi"
         );
         let [batch, seq_k, _] = key.dims();
-        let probe = Tensor::<3>::zeros([batch, 1, self.d_model], &key.device());
-        self.check_sequences(&probe, &key, &value);
+        self.check_key_value(&key, &value, batch);
+        assert!(
+            batch > 0 && seq_k > 0,
+            "MultiHeadAttention: the memory `key` must have a non-empty batch and sequence, got {:?}",
+            key.dims()
+        );
         let (key, value) = self.project_key_value(key, value, 0);
         let (key, value) = self.append_extra_positions(key, value);
         CrossAttentionCache {
@@ -390,6 +394,25 @@ impl MultiHeadAttention {
                 ("d_model", Some(self.d_model)),
             ],
         );
+        self.check_key_value(key, value, batch);
+        assert!(
+            batch > 0 && seq_q > 0 && seq_k > 0,
+            "MultiHeadAttention: `query` and `key` must have a non-empty batch and sequence, got \
+             query {:?} and key {:?}",
+            query.dims(),
+            key.dims()
+        );
+        Dims {
+            batch,
+            seq_q,
+            seq_k,
+        }
+    }
+
+    /// Checks key and value against the module's widths, `batch` and each other's length.
+    #[track_caller]
+    fn check_key_value(&self, key: &Tensor<3>, value: &Tensor<3>, batch: usize) {
+        let seq_k = key.dims()[1];
         check_shape(
             "key",
             key.dims(),
@@ -408,18 +431,6 @@ impl MultiHeadAttention {
                 ("d_value_input", Some(self.d_value_input)),
             ],
         );
-        assert!(
-            batch > 0 && seq_q > 0 && seq_k > 0,
-            "MultiHeadAttention: `query` and `key` must have a non-empty batch and sequence, got \
-             query {:?} and key {:?}",
-            query.dims(),
-            key.dims()
-        );
-        Dims {
-            batch,
-            seq_q,
-            seq_k,
-        }
     }
 
     fn geometry(&self, dims: &Dims, seq_k: usize) -> MaskGeometry {
