@@ -220,6 +220,7 @@ mod tests {
 
     #[test]
     fn cached_decoding_gives_the_full_forward_logits() {
+        let _seeded = crate::seeded_rng_lock();
         let device = Device::flex();
         device.seed(4);
         for (kind, rotary) in [

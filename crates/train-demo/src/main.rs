@@ -26,6 +26,14 @@ use crate::checkpoint::RunIdentity;
 use crate::model::TransformerConfig;
 use crate::tasks::TaskKind;
 
+/// Serialises the tests that seed a device: Burn's seeded generator is shared by every test
+/// thread, so a test that draws between another's `seed` and its `init` breaks reproducibility.
+#[cfg(test)]
+pub(crate) fn seeded_rng_lock() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
 #[derive(Parser, Debug)]
 #[command(version, about, args_conflicts_with_subcommands = true)]
 struct Cli {

@@ -333,6 +333,7 @@ mod tests {
 
     #[test]
     fn reverse_learns_far_above_chance_on_flex() {
+        let _seeded = crate::seeded_rng_lock();
         let out = scratch("learn");
         let summary = train(
             settings(identity(TaskKind::Reverse, 400, false), &out, false, None),
@@ -385,13 +386,16 @@ mod tests {
         let loss = masked_cross_entropy(batch.logits(&model), &batch.targets);
         let before = loss.clone().into_scalar::<f32>();
         let grads = GradientsParams::from_grads(loss.backward(), &model);
-        let model = optimizer.step(1e-2, model, grads);
+        // Small enough that the first Adam step (about lr per parameter, sign-like) cannot
+        // overshoot whatever initialisation the shared seeded RNG hands this test.
+        let model = optimizer.step(1e-3, model, grads);
         let after = masked_cross_entropy(batch.logits(&model), &batch.targets).into_scalar::<f32>();
         assert!(after < before, "loss {before} -> {after}");
     }
 
     #[test]
     fn one_step_lowers_the_loss_on_every_compiled_backend() {
+        let _seeded = crate::seeded_rng_lock();
         one_step_lowers_the_loss(Device::flex());
         #[cfg(feature = "ndarray")]
         one_step_lowers_the_loss(crate::device::by_name("ndarray").unwrap());
@@ -414,6 +418,7 @@ mod tests {
 
     #[test]
     fn resume_reproduces_the_uninterrupted_run() {
+        let _seeded = crate::seeded_rng_lock();
         let whole = scratch("whole");
         train(
             settings(identity(TaskKind::Sort, 30, false), &whole, false, None),
@@ -452,6 +457,7 @@ mod tests {
 
     #[test]
     fn corrupt_or_mismatched_checkpoints_are_refused_without_overwriting() {
+        let _seeded = crate::seeded_rng_lock();
         let out = scratch("refuse");
         train(
             settings(identity(TaskKind::Reverse, 5, false), &out, false, None),
@@ -498,6 +504,7 @@ mod tests {
 
     #[test]
     fn the_ablation_disconnects_attention() {
+        let _seeded = crate::seeded_rng_lock();
         let device = Device::flex();
         device.seed(9);
         for no_attention in [false, true] {
