@@ -223,11 +223,12 @@ mod tests {
         let _seeded = crate::seeded_rng_lock();
         let device = Device::flex();
         device.seed(4);
-        for (kind, rotary) in [
-            (TaskKind::Sort, false),
-            (TaskKind::Copy, false),
-            (TaskKind::Sort, true),
-            (TaskKind::Copy, true),
+        for (kind, rotary, token_shift) in [
+            (TaskKind::Sort, false, false),
+            (TaskKind::Copy, false, false),
+            (TaskKind::Sort, true, false),
+            (TaskKind::Copy, true, true),
+            (TaskKind::Recall, false, true),
         ] {
             let defaults = kind.defaults();
             let task = kind.build(defaults.seq_len, defaults.vocab).unwrap();
@@ -241,6 +242,7 @@ mod tests {
                 layers: 2,
                 no_attention: false,
                 rotary,
+                token_shift,
             };
             let model = config.init(&device);
             let examples: Vec<Example> = (0..3).map(|_| task.sample(&mut Rng::new(9))).collect();
@@ -259,7 +261,7 @@ mod tests {
                 let diff = (step - expected).abs().max().into_scalar::<f32>();
                 assert!(
                     diff < 1e-4,
-                    "{kind:?} rotary {rotary} step at {start}: {diff}"
+                    "{kind:?} rotary {rotary} token shift {token_shift} step at {start}: {diff}"
                 );
             }
         }

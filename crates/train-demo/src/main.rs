@@ -118,6 +118,10 @@ struct TrainArgs {
     /// Rotary positions (true) or learned position embeddings (false); default: the task's.
     #[arg(long)]
     rotary: Option<bool>,
+    /// Add a previous-token embedding to each position (true/false); default: the task's
+    /// (true for recall only).
+    #[arg(long)]
+    token_shift: Option<bool>,
     /// Evaluate on held-out examples every N steps.
     #[arg(long, default_value_t = 100)]
     eval_every: usize,
@@ -161,6 +165,7 @@ fn identity(args: &TrainArgs) -> Result<RunIdentity, String> {
         layers: args.layers.unwrap_or(defaults.layers),
         no_attention: args.no_attention,
         rotary: args.rotary.unwrap_or(defaults.rotary),
+        token_shift: args.token_shift.unwrap_or(defaults.token_shift),
     };
     mha::MultiHeadAttentionConfig::new(model.d_model, model.heads)
         .with_n_kv_heads(Some(model.kv_heads))

@@ -1,5 +1,6 @@
 //! A small pre-LayerNorm Transformer built from `mha::MultiHeadAttention`: encoder-only,
-//! decoder-only or encoder-decoder, with learned positions.
+//! decoder-only or encoder-decoder, with learned or rotary positions and, optionally, a
+//! previous-token embedding.
 
 use burn::config::Config;
 use burn::module::Module;
@@ -30,6 +31,12 @@ pub struct TransformerConfig {
     pub no_attention: bool,
     /// Rotary positions in every self-attention instead of learned position embeddings.
     pub rotary: bool,
+    /// Add an embedding of the previous token to each position's input (a one-step token
+    /// shift, like the "smeared keys" of Olsson et al. 2022 or the short convolutions of
+    /// Zoology's models). It hands every position the token before it, which an induction
+    /// circuit otherwise has to learn with a previous-token head first. Default: false.
+    #[config(default = false)]
+    pub token_shift: bool,
 }
 
 /// Self-attention (and, in a decoder of an encoder-decoder, cross-attention) then an MLP, each
@@ -164,12 +171,16 @@ pub struct DecodeState {
     caches: Vec<KvCache>,
     cross: Vec<Option<CrossAttentionCache>>,
     position: usize,
+    /// The last token fed, `[batch, 1]`: the previous token of the next step's first one.
+    last_token: Option<Tensor<2, Int>>,
 }
 
 #[derive(Module, Debug)]
 pub struct Transformer {
     token_embedding: Embedding,
     position_embedding: Option<Embedding>,
+    /// `vocab + 1` rows: the last one stands for "no previous token".
+    previous_token_embedding: Option<Embedding>,
     encoder: Vec<Block>,
     decoder: Vec<Block>,
     encoder_norm: Option<LayerNorm>,
@@ -195,6 +206,7 @@ impl TransformerConfig {
         Transformer {
             token_embedding: embedding(self.vocab),
             position_embedding: (!self.rotary).then(|| embedding(self.max_len)),
+            previous_token_embedding: self.token_shift.then(|| embedding(self.vocab + 1)),
             encoder: (0..encoder_layers)
                 .map(|_| Block::new(self, false, false, device))
                 .collect(),
@@ -210,21 +222,38 @@ impl TransformerConfig {
 
 impl Transformer {
     fn embed(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
-        self.embed_from(tokens, 0)
+        self.embed_from(tokens, 0, None)
     }
 
-    /// Token plus position embeddings, the first token at position `start`.
-    fn embed_from(&self, tokens: Tensor<2, Int>, start: usize) -> Tensor<3> {
+    /// Token plus position (plus previous-token) embeddings, the first token at position
+    /// `start`; `previous` `[batch, 1]` is the token before it, if any.
+    fn embed_from(
+        &self,
+        tokens: Tensor<2, Int>,
+        start: usize,
+        previous: Option<Tensor<2, Int>>,
+    ) -> Tensor<3> {
         let [batch, seq] = tokens.dims();
-        let positions =
-            Tensor::<1, Int>::arange(start as i64..(start + seq) as i64, &tokens.device())
-                .reshape([1, seq])
-                .expand([batch, seq]);
-        let embedded = self.token_embedding.forward(tokens);
-        match &self.position_embedding {
-            Some(positions_table) => embedded + positions_table.forward(positions),
-            None => embedded,
+        let device = tokens.device();
+        let positions = Tensor::<1, Int>::arange(start as i64..(start + seq) as i64, &device)
+            .reshape([1, seq])
+            .expand([batch, seq]);
+        let mut embedded = self.token_embedding.forward(tokens.clone());
+        if let Some(positions_table) = &self.position_embedding {
+            embedded = embedded + positions_table.forward(positions);
         }
+        if let Some(previous_table) = &self.previous_token_embedding {
+            let none = previous_table.weight.dims()[0] as i64 - 1;
+            let first =
+                previous.unwrap_or_else(|| Tensor::<2, Int>::full([batch, 1], none, &device));
+            let shifted = if seq == 1 {
+                first
+            } else {
+                Tensor::cat(vec![first, tokens.narrow(1, 0, seq - 1)], 1)
+            };
+            embedded = embedded + previous_table.forward(shifted);
+        }
+        embedded
     }
 
     /// The encoder's output for `source` (normed for cross-attention), if there is an encoder.
@@ -262,6 +291,7 @@ impl Transformer {
             caches: self.decoder.iter().map(|_| KvCache::new()).collect(),
             cross,
             position: 0,
+            last_token: None,
         }
     }
 
@@ -269,7 +299,10 @@ impl Transformer {
     /// `[batch, vocab]`; each step costs O(length) thanks to the KV caches.
     pub fn decode_step(&self, tokens: Tensor<2, Int>, state: &mut DecodeState) -> Tensor<2> {
         let [batch, new] = tokens.dims();
-        let mut x = self.embed_from(tokens, state.position);
+        let previous = state
+            .last_token
+            .replace(tokens.clone().narrow(1, new - 1, 1));
+        let mut x = self.embed_from(tokens, state.position, previous);
         state.position += new;
         for ((block, cache), cross) in self.decoder.iter().zip(&mut state.caches).zip(&state.cross)
         {

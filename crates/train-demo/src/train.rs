@@ -294,6 +294,7 @@ mod tests {
                 layers: 1,
                 no_attention,
                 rotary: false,
+                token_shift: false,
             },
             seq_len,
             batch_size: 32,

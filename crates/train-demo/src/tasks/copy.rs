@@ -17,6 +17,7 @@ pub const DEFAULTS: TaskDefaults = TaskDefaults {
     seq_len: 10,
     vocab: 11,
     rotary: false,
+    token_shift: false,
 };
 
 pub struct Copy {

@@ -62,6 +62,8 @@ pub struct TaskDefaults {
     pub vocab: usize,
     /// Rotary positions instead of learned position embeddings.
     pub rotary: bool,
+    /// Previous-token embeddings (see `TransformerConfig::token_shift`).
+    pub token_shift: bool,
 }
 
 /// A task: draws examples, says how outputs are scored and what chance level is.

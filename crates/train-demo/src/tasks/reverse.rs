@@ -14,6 +14,7 @@ pub const DEFAULTS: TaskDefaults = TaskDefaults {
     seq_len: 16,
     vocab: 10,
     rotary: false,
+    token_shift: false,
 };
 
 pub struct Reverse {

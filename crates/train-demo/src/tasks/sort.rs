@@ -14,6 +14,7 @@ pub const DEFAULTS: TaskDefaults = TaskDefaults {
     seq_len: 6,
     vocab: 3,
     rotary: false,
+    token_shift: false,
 };
 
 pub struct Sort {
