@@ -20,10 +20,11 @@ pub enum NeedWeights {
 /// Which implementation computes `softmax(q kᵀ · scale + bias) v`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum AttentionPath {
-    /// Let the module choose (the default): when the weights are not requested, dropout is
-    /// inactive and the softmax is the plain one, the fused kernel — or, on a device without
-    /// autodiff and above [`CHUNKED_THRESHOLD`](crate::CHUNKED_THRESHOLD) score elements, the
-    /// chunked path; else the explicit path.
+    /// Let the module choose (the default): on a device without autodiff, when the weights
+    /// are not requested and the softmax is the plain one, the fused kernel — or, above
+    /// [`CHUNKED_THRESHOLD`](crate::CHUNKED_THRESHOLD) score elements on a backend other than
+    /// flex (whose fused kernel is tiled already), the chunked path; else (weights, dropout,
+    /// quiet softmax, or any autodiff device) the explicit path.
     #[default]
     Auto,
     /// Burn's fused `burn::tensor::module::attention` (flash kernels on flex and CubeCL

@@ -2,6 +2,7 @@
 //! and the explicit path that can also return the weights, apply dropout or a quiet softmax.
 
 use burn::nn::Dropout;
+use burn::tensor::activation::softmax;
 use burn::tensor::module::attention;
 use burn::tensor::ops::AttentionModuleOptions;
 use burn::tensor::{Bool, Tensor};
@@ -88,22 +89,38 @@ pub(crate) fn attention_probabilities(
     let mut scores = grouped_query
         .matmul(key.swap_dims(2, 3))
         .reshape(scores_shape);
-    if let Some(bias) = &masks.bias {
-        scores = scores + bias.clone().expand(scores_shape);
+    let causal = masks
+        .causal
+        .then(|| causal_mask(seq_q, seq_k, &scores.device()).reshape([1, 1, seq_q, seq_k]));
+    let forbid = match (masks.forbid.clone(), causal) {
+        (Some(forbid), Some(causal)) => Some(forbid.bool_or(causal)),
+        (forbid, causal) => forbid.or(causal),
+    };
+    if options.quiet || masks.bias.is_some() {
+        // A float bias may hold `-inf` anywhere, so only the row-checking softmax is safe.
+        if let Some(bias) = &masks.bias {
+            scores = scores + bias.clone().expand(scores_shape);
+        }
+        if let Some(forbid) = forbid {
+            scores = scores.mask_fill(forbid.expand(scores_shape), f32::NEG_INFINITY);
+        }
+        return if options.quiet {
+            quiet_softmax_last_dim(scores)
+        } else {
+            safe_softmax_last_dim(scores)
+        };
     }
-    if let Some(forbid) = &masks.forbid {
-        scores = scores.mask_fill(forbid.clone().expand(scores_shape), f32::NEG_INFINITY);
-    }
-    if masks.causal {
-        let future: Tensor<4, Bool> = causal_mask(seq_q, seq_k, &scores.device())
-            .reshape([1, 1, seq_q, seq_k])
-            .expand(scores_shape);
-        scores = scores.mask_fill(future, f32::NEG_INFINITY);
-    }
-    if options.quiet {
-        quiet_softmax_last_dim(scores)
-    } else {
-        safe_softmax_last_dim(scores)
+    match forbid {
+        None => softmax(scores, 3),
+        Some(forbid) => {
+            // Burn's one-op softmax (fused on flex) is several times faster than the row-checking
+            // one, but turns a row of `-inf` into NaN. Forbidden scores get the lowest finite
+            // value instead (still exactly 0 after the exponential next to any allowed key),
+            // and the rows with no allowed key, known from the mask alone, are zeroed.
+            let any_allowed = forbid.clone().bool_not().any_dim(3).float();
+            let scores = scores.mask_fill(forbid.expand(scores_shape), f32::MIN);
+            softmax(scores, 3) * any_allowed
+        }
     }
 }
 

@@ -102,7 +102,9 @@ impl ModuleDisplay for MultiHeadAttention {
 }
 
 /// Above this many score elements (`batch · n_heads · seq_q · seq_k`, 64 Mi: 256 MiB of f32
-/// scores), [`AttentionPath::Auto`] takes the chunked path on a device without autodiff.
+/// scores), [`AttentionPath::Auto`] takes the chunked path on a device without autodiff whose
+/// fused attention op may materialise the scores (every backend but flex, whose fused op is
+/// already tiled).
 pub const CHUNKED_THRESHOLD: usize = 1 << 26;
 
 /// The implementation one forward uses.
@@ -485,8 +487,14 @@ impl MultiHeadAttention {
                 forced(Kernel::Chunked(sizes), "AttentionPath::Chunked")
             }
             AttentionPath::Auto if blocker.is_some() => Kernel::Explicit,
+            // Burn's autodiff runs the fused op as a decomposed fallback that scales and clamps
+            // the full score matrix; the explicit path scales the queries instead and uses the
+            // one-op softmax: 400 ms against 485 ms for a forward + backward at batch 4, 512
+            // tokens, d_model 512, 8 heads on flex (benches/table.rs).
+            AttentionPath::Auto if query.device().is_autodiff() => Kernel::Explicit,
             AttentionPath::Auto
-                if score_elements > CHUNKED_THRESHOLD && !query.device().is_autodiff() =>
+                if score_elements > CHUNKED_THRESHOLD
+                    && !fused_op_is_memory_bounded(&query.device()) =>
             {
                 Kernel::Chunked(ChunkSizes::default())
             }
@@ -497,7 +505,7 @@ impl MultiHeadAttention {
     /// `[batch, seq_q, d_model]` → query heads `[batch, n_heads, seq_q, head_dim]`, rotated
     /// from position `start` with RoPE.
     fn project_query(&self, query: Tensor<3>, start: usize) -> Tensor<4> {
-        let query = self.split_heads(self.query.forward(query), self.n_heads);
+        let query = self.project_heads(query, &self.query, self.n_heads);
         match &self.rope {
             Some(rope) => rope.apply(query, start),
             None => query,
@@ -512,8 +520,8 @@ impl MultiHeadAttention {
         value: Tensor<3>,
         start: usize,
     ) -> (Tensor<4>, Tensor<4>) {
-        let key = self.split_heads(self.key.forward(key), self.n_kv_heads);
-        let value = self.split_heads(self.value.forward(value), self.n_kv_heads);
+        let key = self.project_heads(key, &self.key, self.n_kv_heads);
+        let value = self.project_heads(value, &self.value, self.n_kv_heads);
         let key = match &self.rope {
             Some(rope) => rope.apply(key, start),
             None => key,
@@ -580,6 +588,31 @@ impl MultiHeadAttention {
     }
 
     /// `[batch, seq, heads · head_dim]` → `[batch, heads, seq, head_dim]`.
+    /// `linear(x)` split into heads, `[batch, heads, seq, head_dim]`.
+    ///
+    /// For inference it is computed head-major: one batched matmul against the weight viewed as
+    /// `[heads, d_input, head_dim]` writes each head contiguously, where `linear` then a split
+    /// leaves a strided view that the attention kernel reads more slowly (75.6 ms against
+    /// 86.6 ms for a forward at batch 4, 512 tokens, d_model 512, 8 heads on flex). Under
+    /// autodiff the input's gradient would then be reduced over a `heads`-times larger
+    /// broadcast (496 ms against 400 ms for forward + backward), so training splits instead.
+    fn project_heads(&self, x: Tensor<3>, linear: &Linear, heads: usize) -> Tensor<4> {
+        if x.device().is_autodiff() {
+            return self.split_heads(linear.forward(x), heads);
+        }
+        let [d_input, _] = linear.weight.dims();
+        let weight = linear
+            .weight
+            .val()
+            .reshape([1, d_input, heads, self.head_dim])
+            .swap_dims(1, 2);
+        let projected = x.unsqueeze_dim::<4>(1).matmul(weight);
+        match &linear.bias {
+            Some(bias) => projected + bias.val().reshape([1, heads, 1, self.head_dim]),
+            None => projected,
+        }
+    }
+
     fn split_heads(&self, x: Tensor<3>, heads: usize) -> Tensor<4> {
         let [batch, seq, _] = x.dims();
         x.reshape([batch, seq, heads, self.head_dim])
@@ -604,6 +637,16 @@ fn sliding_window_mask(
         .reshape([1, 1, new, total])
 }
 
+/// Whether Burn's fused attention op on this (non-autodiff) device runs a kernel whose memory
+/// does not grow with `seq_q × seq_k`: flex's tiles keys with an online softmax above 256 Ki
+/// score elements per head (and at 8192 tokens runs in 2.5 s where the chunked path takes
+/// 4.6 s). Other backends may fall back to materialising the scores (ndarray always does), so
+/// they take the chunked path above the threshold. Burn exposes no backend query that compiles
+/// whatever backends are enabled, hence the device's `Debug` form (a test pins it).
+fn fused_op_is_memory_bounded(device: &Device) -> bool {
+    format!("{:?}", device.clone().inner()).starts_with("Device<Flex")
+}
+
 /// `[batch, heads, seq, head_dim]` → `[batch, seq, heads · head_dim]`.
 fn merge_heads(x: Tensor<4>) -> Tensor<3> {
     let [batch, heads, seq, head_dim] = x.dims();
@@ -625,4 +668,20 @@ fn append_zero_position(x: Tensor<4>) -> Tensor<4> {
     let [batch, heads, _, head_dim] = x.dims();
     let zeros = Tensor::<4>::zeros([batch, heads, 1, head_dim], &x.device());
     Tensor::cat(vec![x, zeros], 2)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Pins the `Debug` form `fused_op_is_memory_bounded` reads, so that a Burn upgrade that
+    /// changes it fails here rather than silently sending flex to the slower chunked path.
+    #[test]
+    fn only_flex_counts_as_having_a_memory_bounded_fused_op() {
+        assert!(fused_op_is_memory_bounded(&Device::flex()));
+        assert!(fused_op_is_memory_bounded(&Device::flex().autodiff()));
+        #[allow(deprecated)]
+        let ndarray = Device::ndarray();
+        assert!(!fused_op_is_memory_bounded(&ndarray));
+    }
 }

@@ -1,0 +1,261 @@
+//! One table: this crate's `MultiHeadAttention` against Burn's
+//! `burn::nn::attention::MultiHeadAttention`, same sizes, same device, same run.
+//!
+//! ```sh
+//! cargo bench -p mha --bench table                          # flex and ndarray, every shape
+//! cargo bench -p mha --bench table -- --devices flex --shapes 4x512x512x8
+//! cargo bench -p mha --bench table -- --devices wgpu --shapes 8x128x256x8
+//! ```
+//!
+//! Modes: `fwd` (inference, no weights), `fwd+weights` (per-head weights returned) and
+//! `fwd+bwd` (autodiff device, gradient of `sum(context²)` with respect to the input and every
+//! parameter). Each cell is the median of several runs after a warm-up; GFLOP/s counts the
+//! four projections and the two attention matmuls (`fwd+bwd` counts three times the forward).
+//! Burn's module always computes its weights, so its `fwd` and `fwd+weights` are one path.
+
+use std::time::{Duration, Instant};
+
+use burn::module::Param;
+use burn::nn::attention::{MhaInput as BurnMhaInput, MultiHeadAttentionConfig as BurnMhaConfig};
+use burn::tensor::{Device, DeviceKind, Distribution, Tensor};
+use mha::{AttentionPath, MhaInput, MultiHeadAttentionConfig, NeedWeights};
+
+#[derive(Clone, Copy, Debug)]
+struct Shape {
+    batch: usize,
+    seq: usize,
+    d_model: usize,
+    heads: usize,
+}
+
+impl Shape {
+    fn parse(text: &str) -> Shape {
+        let numbers: Vec<usize> = text
+            .split('x')
+            .map(|n| n.parse().expect("--shapes: BxLxExH, e.g. 4x512x512x8"))
+            .collect();
+        assert_eq!(numbers.len(), 4, "--shapes: BxLxExH, e.g. 4x512x512x8");
+        Shape {
+            batch: numbers[0],
+            seq: numbers[1],
+            d_model: numbers[2],
+            heads: numbers[3],
+        }
+    }
+
+    /// Forward multiply-adds × 2: q, k, v, out projections and `q kᵀ`, `p v`.
+    fn forward_flops(&self) -> f64 {
+        let (b, l, e) = (self.batch as f64, self.seq as f64, self.d_model as f64);
+        2.0 * (4.0 * b * l * e * e + 2.0 * b * l * l * e)
+    }
+}
+
+const SHAPES: [&str; 4] = ["8x128x256x8", "4x512x512x8", "1x2048x512x8", "1x8192x512x8"];
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Mode {
+    Forward,
+    ForwardWeights,
+    ForwardBackward,
+}
+
+impl Mode {
+    fn name(self) -> &'static str {
+        match self {
+            Mode::Forward => "fwd",
+            Mode::ForwardWeights => "fwd+weights",
+            Mode::ForwardBackward => "fwd+bwd",
+        }
+    }
+}
+
+fn device(name: &str) -> Device {
+    match name {
+        "flex" => Device::flex(),
+        #[allow(deprecated)]
+        "ndarray" => Device::ndarray(),
+        "wgpu" => Device::wgpu(DeviceKind::DefaultDevice),
+        other => panic!("--devices: unknown device {other} (flex, ndarray, wgpu)"),
+    }
+}
+
+/// Runs each case once to warm up, then alternately (so that drift in the machine's speed hits
+/// both alike) until `budget` is spent, at least 3 and at most 15 times each; returns the
+/// medians in milliseconds.
+fn interleaved_medians(budget: Duration, cases: &mut [Box<dyn FnMut() -> f32 + '_>]) -> Vec<f64> {
+    for case in cases.iter_mut() {
+        assert!(case().is_finite(), "non-finite result");
+    }
+    let mut times = vec![Vec::new(); cases.len()];
+    let started = Instant::now();
+    while times[0].len() < 3 || (started.elapsed() < budget && times[0].len() < 15) {
+        for (case, times) in cases.iter_mut().zip(&mut times) {
+            let t = Instant::now();
+            std::hint::black_box(case());
+            times.push(t.elapsed().as_secs_f64() * 1e3);
+        }
+    }
+    times
+        .into_iter()
+        .map(|mut times| {
+            times.sort_by(f64::total_cmp);
+            times[times.len() / 2]
+        })
+        .collect()
+}
+
+/// The device a mode runs on: with autodiff for `fwd+bwd`.
+fn mode_device(mode: Mode, device: &Device) -> Device {
+    if mode == Mode::ForwardBackward {
+        device.clone().autodiff()
+    } else {
+        device.clone()
+    }
+}
+
+fn input(shape: Shape, device: &Device) -> Tensor<3> {
+    Tensor::random(
+        [shape.batch, shape.seq, shape.d_model],
+        Distribution::Normal(0.0, 1.0),
+        device,
+    )
+}
+
+/// Backward of `sum(context²)`, read back through the input's and the output projection's
+/// gradients so that the whole graph runs.
+fn backward_checksum(context: Tensor<3>, x: &Tensor<3>, output_weight: &Param<Tensor<2>>) -> f32 {
+    let grads = context.powi_scalar(2).sum().backward();
+    x.grad(&grads)
+        .expect("input gradient")
+        .sum()
+        .into_scalar::<f32>()
+        + output_weight
+            .grad(&grads)
+            .expect("weight gradient")
+            .sum()
+            .into_scalar::<f32>()
+}
+
+fn ours(shape: Shape, mode: Mode, path: AttentionPath, device: &Device) -> Box<dyn FnMut() -> f32> {
+    let device = mode_device(mode, device);
+    let module = MultiHeadAttentionConfig::new(shape.d_model, shape.heads).init(&device);
+    let x = input(shape, &device);
+    Box::new(move || match mode {
+        Mode::Forward => module
+            .forward(MhaInput::self_attn(x.clone()).path(path))
+            .context
+            .sum()
+            .into_scalar::<f32>(),
+        Mode::ForwardWeights => {
+            let output =
+                module.forward(MhaInput::self_attn(x.clone()).need_weights(NeedWeights::PerHead));
+            let weights = output.weights.and_then(|w| w.per_head()).expect("weights");
+            output.context.sum().into_scalar::<f32>() + weights.sum().into_scalar::<f32>()
+        }
+        Mode::ForwardBackward => {
+            let x = x.clone().require_grad();
+            let context = module
+                .forward(MhaInput::self_attn(x.clone()).path(path))
+                .context;
+            backward_checksum(context, &x, &module.output.weight)
+        }
+    })
+}
+
+fn burn(shape: Shape, mode: Mode, device: &Device) -> Box<dyn FnMut() -> f32> {
+    let device = mode_device(mode, device);
+    let module = BurnMhaConfig::new(shape.d_model, shape.heads)
+        .with_dropout(0.0)
+        .init(&device);
+    let x = input(shape, &device);
+    Box::new(move || match mode {
+        Mode::Forward | Mode::ForwardWeights => {
+            let output = module.forward(BurnMhaInput::self_attn(x.clone()));
+            output.context.sum().into_scalar::<f32>() + output.weights.sum().into_scalar::<f32>()
+        }
+        Mode::ForwardBackward => {
+            let x = x.clone().require_grad();
+            let context = module.forward(BurnMhaInput::self_attn(x.clone())).context;
+            backward_checksum(context, &x, &module.output.weight)
+        }
+    })
+}
+
+fn main() {
+    let mut devices = vec!["flex".to_string(), "ndarray".to_string()];
+    let mut shapes: Vec<Shape> = SHAPES.iter().map(|s| Shape::parse(s)).collect();
+    let mut modes = vec![Mode::Forward, Mode::ForwardWeights, Mode::ForwardBackward];
+    let mut budget = Duration::from_secs(3);
+    let mut path = AttentionPath::Auto;
+    let mut args = std::env::args().skip(1);
+    while let Some(arg) = args.next() {
+        let mut value = || args.next().unwrap_or_else(|| panic!("{arg} needs a value"));
+        match arg.as_str() {
+            "--devices" => devices = value().split(',').map(str::to_string).collect(),
+            "--shapes" => shapes = value().split(',').map(Shape::parse).collect(),
+            "--modes" => {
+                modes = value()
+                    .split(',')
+                    .map(|m| match m {
+                        "fwd" => Mode::Forward,
+                        "fwd+weights" => Mode::ForwardWeights,
+                        "fwd+bwd" => Mode::ForwardBackward,
+                        other => panic!("--modes: unknown mode {other}"),
+                    })
+                    .collect()
+            }
+            "--path" => {
+                path = match value().as_str() {
+                    "auto" => AttentionPath::Auto,
+                    "fused" => AttentionPath::Fused,
+                    "explicit" => AttentionPath::Explicit,
+                    "chunked" => AttentionPath::Chunked(Default::default()),
+                    other => {
+                        panic!("--path: unknown path {other} (auto, fused, explicit, chunked)")
+                    }
+                }
+            }
+            "--budget-s" => budget = Duration::from_secs_f64(value().parse().expect("seconds")),
+            // `cargo bench` passes `--bench`; the other libtest flags mean nothing here.
+            _ => {}
+        }
+    }
+    println!(
+        "threads: {} | our path: {path:?} | median of ≥3 runs after a warm-up | GFLOP/s over the module's matmuls\n",
+        std::thread::available_parallelism().map_or(0, |n| n.get())
+    );
+    println!(
+        "| device | batch, seq, d_model, heads | mode | ours ms | ours GFLOP/s | Burn MHA ms | Burn GFLOP/s | speed-up |"
+    );
+    println!("|---|---|---|---|---|---|---|---|");
+    for device_name in &devices {
+        let device = device(device_name);
+        device.seed(0);
+        for &shape in &shapes {
+            for &mode in &modes {
+                let flops = shape.forward_flops()
+                    * if mode == Mode::ForwardBackward {
+                        3.0
+                    } else {
+                        1.0
+                    };
+                let medians = interleaved_medians(
+                    budget,
+                    &mut [ours(shape, mode, path, &device), burn(shape, mode, &device)],
+                );
+                let (ours, burn) = (medians[0], medians[1]);
+                println!(
+                    "| {device_name} | {}, {}, {}, {} | {} | {ours:.1} | {:.1} | {burn:.1} | {:.1} | {:.2}x |",
+                    shape.batch,
+                    shape.seq,
+                    shape.d_model,
+                    shape.heads,
+                    mode.name(),
+                    flops / ours / 1e6,
+                    flops / burn / 1e6,
+                    burn / ours
+                );
+            }
+        }
+    }
+}
