@@ -493,8 +493,7 @@ impl MultiHeadAttention {
             // tokens, d_model 512, 8 heads on flex (benches/table.rs).
             AttentionPath::Auto if query.device().is_autodiff() => Kernel::Explicit,
             AttentionPath::Auto
-                if score_elements > CHUNKED_THRESHOLD
-                    && !fused_op_is_memory_bounded(&query.device()) =>
+                if score_elements > CHUNKED_THRESHOLD && !runs_on_flex(&query.device()) =>
             {
                 Kernel::Chunked(ChunkSizes::default())
             }
@@ -595,9 +594,11 @@ impl MultiHeadAttention {
     /// leaves a strided view that the attention kernel reads more slowly (75.6 ms against
     /// 86.6 ms for a forward at batch 4, 512 tokens, d_model 512, 8 heads on flex). Under
     /// autodiff the input's gradient would then be reduced over a `heads`-times larger
-    /// broadcast (496 ms against 400 ms for forward + backward), so training splits instead.
+    /// broadcast (496 ms against 400 ms for forward + backward), so training splits instead,
+    /// and so does every backend but flex (see [`runs_on_flex`]).
     fn project_heads(&self, x: Tensor<3>, linear: &Linear, heads: usize) -> Tensor<4> {
-        if x.device().is_autodiff() {
+        let device = x.device();
+        if device.is_autodiff() || !runs_on_flex(&device) {
             return self.split_heads(linear.forward(x), heads);
         }
         let [d_input, _] = linear.weight.dims();
@@ -637,13 +638,18 @@ fn sliding_window_mask(
         .reshape([1, 1, new, total])
 }
 
-/// Whether Burn's fused attention op on this (non-autodiff) device runs a kernel whose memory
-/// does not grow with `seq_q × seq_k`: flex's tiles keys with an online softmax above 256 Ki
-/// score elements per head (and at 8192 tokens runs in 2.5 s where the chunked path takes
-/// 4.6 s). Other backends may fall back to materialising the scores (ndarray always does), so
-/// they take the chunked path above the threshold. Burn exposes no backend query that compiles
-/// whatever backends are enabled, hence the device's `Debug` form (a test pins it).
-fn fused_op_is_memory_bounded(device: &Device) -> bool {
+/// Whether `device` (or the device under its autodiff) is flex, where two choices pay off that
+/// were measured nowhere else:
+/// - Burn's fused attention op is a kernel whose memory does not grow with `seq_q × seq_k`
+///   (it tiles keys with an online softmax above 256 Ki score elements per head, and at 8192
+///   tokens runs in 2.5 s where the chunked path takes 4.6 s), so it needs no chunked path.
+///   Other backends may materialise the scores (ndarray always does).
+/// - Head-major projections (`project_heads`) feed its attention kernel faster; on ndarray
+///   they are slightly slower than a `Linear` and a split.
+///
+/// Burn exposes no backend query that compiles whatever backends are enabled, hence the
+/// device's `Debug` form (a test pins it).
+fn runs_on_flex(device: &Device) -> bool {
     format!("{:?}", device.clone().inner()).starts_with("Device<Flex")
 }
 
@@ -674,14 +680,14 @@ fn append_zero_position(x: Tensor<4>) -> Tensor<4> {
 mod tests {
     use super::*;
 
-    /// Pins the `Debug` form `fused_op_is_memory_bounded` reads, so that a Burn upgrade that
+    /// Pins the `Debug` form `runs_on_flex` reads, so that a Burn upgrade that
     /// changes it fails here rather than silently sending flex to the slower chunked path.
     #[test]
-    fn only_flex_counts_as_having_a_memory_bounded_fused_op() {
-        assert!(fused_op_is_memory_bounded(&Device::flex()));
-        assert!(fused_op_is_memory_bounded(&Device::flex().autodiff()));
+    fn flex_is_recognised_and_ndarray_is_not() {
+        assert!(runs_on_flex(&Device::flex()));
+        assert!(runs_on_flex(&Device::flex().autodiff()));
         #[allow(deprecated)]
         let ndarray = Device::ndarray();
-        assert!(!fused_op_is_memory_bounded(&ndarray));
+        assert!(!runs_on_flex(&ndarray));
     }
 }

@@ -8,7 +8,7 @@ pub const DEFAULTS: TaskDefaults = TaskDefaults {
     d_model: 48,
     heads: 3,
     layers: 2,
-    steps: 1500,
+    steps: 2500,
     batch_size: 64,
     lr: 2e-3,
     seq_len: 6,
