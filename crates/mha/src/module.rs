@@ -586,7 +586,6 @@ impl MultiHeadAttention {
         MhaOutput { context, weights }
     }
 
-    /// `[batch, seq, heads · head_dim]` → `[batch, heads, seq, head_dim]`.
     /// `linear(x)` split into heads, `[batch, heads, seq, head_dim]`.
     ///
     /// For inference it is computed head-major: one batched matmul against the weight viewed as
@@ -614,6 +613,7 @@ impl MultiHeadAttention {
         }
     }
 
+    /// `[batch, seq, heads · head_dim]` → `[batch, heads, seq, head_dim]`.
     fn split_heads(&self, x: Tensor<3>, heads: usize) -> Tensor<4> {
         let [batch, seq, _] = x.dims();
         x.reshape([batch, seq, heads, self.head_dim])
