@@ -16,19 +16,26 @@ use std::time::Instant;
 use burn::module::Module;
 use burn::nn::attention::{MhaInput as BurnMhaInput, MultiHeadAttentionConfig as BurnMhaConfig};
 use burn::tensor::{Device, Distribution, Tensor};
-use mha::{MhaInput, MultiHeadAttentionConfig};
+use mha::{AttentionPath, ChunkSizes, MhaInput, MultiHeadAttentionConfig};
 
 const D_MODEL: usize = 512;
 const HEADS: usize = 8;
 
-/// (name, implementation, sequence length, training)
-const CASES: [(&str, &str, usize, bool); 5] = [
+/// (name, implementation, sequence length, training); "ours" is `AttentionPath::Auto` (the
+/// flash kernel when training at these lengths), "ours-explicit" forces the explicit path.
+const CASES: [(&str, &str, usize, bool); 7] = [
     ("ours-inference-16384", "ours", 16384, false),
     ("burn-inference-8192", "burn", 8192, false),
     ("ours-inference-8192", "ours", 8192, false),
     ("ours-training-4096", "ours", 4096, true),
+    ("ours-explicit-training-4096", "ours-explicit", 4096, true),
     ("burn-training-4096", "burn", 4096, true),
+    ("ours-training-8192", "ours", 8192, true),
 ];
+
+/// Not in the table: `cargo bench --bench long_sequence -- gradients-4096` compares the input
+/// and weight gradients of the flash kernel (`Auto`) with the explicit path's at 4096 tokens.
+const GRADIENT_CHECK: &str = "gradients-4096";
 
 fn peak_rss_mib() -> f64 {
     let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
@@ -52,10 +59,17 @@ fn run_case(name: &str) {
     let x = Tensor::<3>::random([1, seq, D_MODEL], Distribution::Normal(0.0, 1.0), &device);
     let started = Instant::now();
     let checksum = match implementation {
-        "ours" => {
+        "ours" | "ours-explicit" => {
+            let path = if implementation == "ours" {
+                AttentionPath::Auto
+            } else {
+                AttentionPath::Explicit
+            };
             let module = MultiHeadAttentionConfig::new(D_MODEL, HEADS).init(&device);
             let x = if training { x.require_grad() } else { x };
-            let context = module.forward(MhaInput::self_attn(x.clone())).context;
+            let context = module
+                .forward(MhaInput::self_attn(x.clone()).path(path))
+                .context;
             if training {
                 let grads = context.clone().powi_scalar(2).mean().backward();
                 let grad = x.grad(&grads).expect("input gradient");
@@ -86,13 +100,57 @@ fn run_case(name: &str) {
     println!("{name},{seconds:.3},{:.0},{checksum:.3}", peak_rss_mib());
 }
 
+/// Largest absolute difference between the flash kernel's gradients (and output) and the
+/// explicit path's, against the largest magnitude, for a causal self-attention of `seq` tokens.
+fn compare_gradients(seq: usize) {
+    let device = Device::flex().autodiff();
+    device.seed(0);
+    let module = MultiHeadAttentionConfig::new(D_MODEL, HEADS).init(&device);
+    let x = Tensor::<3>::random([1, seq, D_MODEL], Distribution::Normal(0.0, 1.0), &device);
+    let run = |path: AttentionPath| {
+        let x = x.clone().detach().require_grad();
+        let context = module
+            .forward(MhaInput::self_attn(x.clone()).causal().path(path))
+            .context;
+        let grads = (context.clone() * context.clone().sin()).sum().backward();
+        vec![
+            ("context", context.inner().reshape([-1])),
+            ("d x", x.grad(&grads).unwrap().reshape([-1])),
+            (
+                "d W_q",
+                module.query.weight.grad(&grads).unwrap().reshape([-1]),
+            ),
+            (
+                "d W_k",
+                module.key.weight.grad(&grads).unwrap().reshape([-1]),
+            ),
+            (
+                "d W_v",
+                module.value.weight.grad(&grads).unwrap().reshape([-1]),
+            ),
+        ]
+    };
+    let explicit = run(AttentionPath::Explicit);
+    let flash = run(AttentionPath::Flash(ChunkSizes::default()));
+    println!("causal self-attention, {seq} tokens, flash kernel vs explicit path on flex");
+    for ((what, expected), (_, actual)) in explicit.into_iter().zip(flash) {
+        let magnitude = expected.clone().abs().max().into_scalar::<f32>();
+        let difference = (actual - expected).abs().max().into_scalar::<f32>();
+        println!("{what}: max abs difference {difference:.2e} (max abs value {magnitude:.2e})");
+    }
+}
+
 fn main() {
     let args: Vec<String> = std::env::args()
         .skip(1)
         .filter(|a| !a.starts_with("--"))
         .collect();
     if let Some(case) = args.first() {
-        run_case(case);
+        if case == GRADIENT_CHECK {
+            compare_gradients(4096);
+        } else {
+            run_case(case);
+        }
         return;
     }
     println!("flex, d_model {D_MODEL}, {HEADS} heads, batch 1; each case in a fresh process\n");

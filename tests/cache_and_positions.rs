@@ -1,4 +1,4 @@
-//! KV cache, RoPE, ALiBi and the chunked path, on every test device.
+//! KV cache, RoPE, ALiBi and the chunked and flash paths, on every test device.
 
 mod common;
 
@@ -6,7 +6,7 @@ use burn::tensor::{Bool, Device, Tensor, TensorData};
 use common::{assert_close, randn, test_devices, tolerance};
 use mha::{
     AttentionPath, CacheError, CacheLimit, ChunkSizes, KvCache, MhaInput, MultiHeadAttention,
-    MultiHeadAttentionConfig, NeedWeights, RopeConfig, RopeLayout,
+    MultiHeadAttentionConfig, NeedWeights, RopeConfig, RopeLayout, flash_attention_supported,
 };
 
 fn configs() -> Vec<(&'static str, MultiHeadAttentionConfig)> {
@@ -364,6 +364,169 @@ fn chunked_path_equals_explicit_path() {
                 );
             }
         }
+    }
+}
+
+/// The flash kernel's custom backward against autodiff through the explicit path: the
+/// context and the gradients of the inputs and of every parameter.
+#[test]
+fn flash_path_equals_explicit_path_in_outputs_and_gradients() {
+    for (name, device) in test_devices() {
+        let device = device.autodiff();
+        if !flash_attention_supported(&device) {
+            eprintln!("{name}: no flash kernel, `Auto` trains on the explicit path");
+            continue;
+        }
+        device.seed(18);
+        let module = MultiHeadAttentionConfig::new(16, 4)
+            .with_n_kv_heads(Some(2))
+            .with_add_bias_kv(true)
+            .with_alibi(true)
+            .with_rope(Some(RopeConfig::new()))
+            .init(&device);
+        let query = randn([2, 11, 16], &device);
+        let memory = randn([2, 13, 16], &device);
+        let padding = Tensor::<2, Bool>::from_data(
+            [
+                [false; 13],
+                [
+                    false, false, true, false, false, false, false, false, false, true, true, true,
+                    true,
+                ],
+            ],
+            &device,
+        );
+        let bias = randn([2, 4, 11, 13], &device);
+        let short = randn([2, 5, 16], &device);
+        type Case = (
+            &'static str,
+            Tensor<3>,
+            Option<Tensor<3>>,
+            fn(MhaInput) -> MhaInput,
+        );
+        let cases: Vec<Case> = vec![
+            ("plain", query.clone(), Some(memory.clone()), |input| input),
+            ("padding+causal", query.clone(), Some(memory.clone()), {
+                |input| input.causal()
+            }),
+            ("self causal", query.clone(), None, |input| input.causal()),
+            // More queries than keys: the first queries see no key under the causal mask.
+            (
+                "causal, seq_q > seq_k",
+                query.clone(),
+                Some(short),
+                |input| input.causal(),
+            ),
+        ];
+        for (label, query, memory, options) in cases {
+            for sizes in [
+                ChunkSizes { query: 4, key: 5 },
+                ChunkSizes { query: 1, key: 3 },
+                ChunkSizes::default(),
+            ] {
+                let run = |path: AttentionPath| {
+                    let query = query.clone().detach().require_grad();
+                    let memory = memory.clone().map(|m| m.detach().require_grad());
+                    let mut input = match &memory {
+                        Some(memory) => {
+                            MhaInput::new(query.clone(), memory.clone(), memory.clone())
+                        }
+                        None => MhaInput::self_attn(query.clone()),
+                    };
+                    if label == "padding+causal" {
+                        input = input.key_padding_mask(padding.clone());
+                    }
+                    if label == "plain" {
+                        input = input.attn_mask(bias.clone());
+                    }
+                    let context = module.forward(options(input).path(path)).context;
+                    // A loss whose gradient differs from element to element.
+                    let loss = (context.clone() * context.clone().sin()).sum();
+                    let grads = loss.backward();
+                    let mut named = vec![
+                        ("context", context.inner().reshape([-1])),
+                        ("d query", query.grad(&grads).unwrap().reshape([-1])),
+                        (
+                            "d W_q",
+                            module.query.weight.grad(&grads).unwrap().reshape([-1]),
+                        ),
+                        (
+                            "d W_k",
+                            module.key.weight.grad(&grads).unwrap().reshape([-1]),
+                        ),
+                        (
+                            "d W_v",
+                            module.value.weight.grad(&grads).unwrap().reshape([-1]),
+                        ),
+                        (
+                            "d W_o",
+                            module.output.weight.grad(&grads).unwrap().reshape([-1]),
+                        ),
+                        (
+                            "d bias_k",
+                            module
+                                .bias_k
+                                .as_ref()
+                                .unwrap()
+                                .grad(&grads)
+                                .unwrap()
+                                .reshape([-1]),
+                        ),
+                    ];
+                    if let Some(memory) = &memory {
+                        named.push(("d memory", memory.grad(&grads).unwrap().reshape([-1])));
+                    }
+                    named
+                };
+                let explicit = run(AttentionPath::Explicit);
+                let flash = run(AttentionPath::Flash(sizes));
+                for ((what, expected), (_, actual)) in explicit.into_iter().zip(flash) {
+                    assert_close(
+                        &format!("{name} {label} {sizes:?}: {what}"),
+                        actual,
+                        expected,
+                        1e-4,
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// Where the flash kernel does not run, forcing it says so; `Auto` trains on another path.
+#[test]
+fn flash_path_is_refused_clearly_where_it_cannot_run() {
+    let device = Device::flex().autodiff();
+    let module = MultiHeadAttentionConfig::new(8, 2)
+        .with_quiet_softmax(true)
+        .init(&device);
+    let x = randn([1, 3, 8], &device);
+    let refused = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        module.forward(
+            MhaInput::self_attn(x.clone()).path(AttentionPath::Flash(ChunkSizes::default())),
+        )
+    }));
+    let message = *refused.unwrap_err().downcast::<String>().unwrap();
+    assert!(
+        message.contains("`AttentionPath::Flash` was forced but the softmax is quiet"),
+        "{message}"
+    );
+    for (name, device) in test_devices() {
+        if flash_attention_supported(&device) {
+            continue;
+        }
+        let device = device.autodiff();
+        let module = MultiHeadAttentionConfig::new(8, 2).init(&device);
+        let x = randn([1, 3, 8], &device);
+        let refused = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            module.forward(
+                MhaInput::self_attn(x.clone()).path(AttentionPath::Flash(ChunkSizes::default())),
+            )
+        }));
+        let message = *refused.unwrap_err().downcast::<String>().unwrap();
+        assert!(message.contains("has no flash kernel"), "{name}: {message}");
+        let context = module.forward(MhaInput::self_attn(x).causal()).context;
+        assert_eq!(context.dims(), [1, 3, 8], "{name}: `Auto` still trains");
     }
 }
 

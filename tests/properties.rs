@@ -5,7 +5,10 @@ mod common;
 use burn::module::{Module, Param};
 use burn::tensor::{Bool, Device, Int, Tensor};
 use common::{all_finite, assert_close, randn, test_devices, tolerance};
-use mha::{AttentionPath, MhaInput, MultiHeadAttention, MultiHeadAttentionConfig, NeedWeights};
+use mha::{
+    AttentionPath, ChunkSizes, MhaInput, MultiHeadAttention, MultiHeadAttentionConfig, NeedWeights,
+    flash_attention_supported,
+};
 
 fn seeded(device: &Device, seed: u64) -> Device {
     device.seed(seed);
@@ -265,7 +268,11 @@ fn fully_masked_queries_give_zero_output_weights_and_finite_gradients() {
             ],
             &device,
         );
-        for path in [AttentionPath::Explicit, AttentionPath::Auto] {
+        let mut paths = vec![AttentionPath::Explicit, AttentionPath::Auto];
+        if flash_attention_supported(&device) {
+            paths.push(AttentionPath::Flash(ChunkSizes { query: 2, key: 2 }));
+        }
+        for path in paths {
             let need_weights = if path == AttentionPath::Explicit {
                 NeedWeights::PerHead
             } else {
@@ -366,7 +373,11 @@ fn gradients_match_central_finite_differences() {
             let weights = Tensor::<1>::from_data([0.3, -1.1, 0.7, 2.0], &device).reshape([1, 1, 4]);
             (context * weights).sum()
         };
-        for path in [AttentionPath::Explicit, AttentionPath::Fused] {
+        let mut paths = vec![AttentionPath::Explicit, AttentionPath::Fused];
+        if flash_attention_supported(&device) {
+            paths.push(AttentionPath::Flash(ChunkSizes { query: 2, key: 2 }));
+        }
+        for path in paths {
             let tracked = x.clone().require_grad();
             let grads = loss_of(tracked.clone(), path).backward();
             let analytic = tracked

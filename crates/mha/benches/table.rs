@@ -2,9 +2,9 @@
 //! `burn::nn::attention::MultiHeadAttention`, same sizes, same device, same run.
 //!
 //! ```sh
-//! cargo bench -p mha --bench table                          # flex and ndarray, every shape
-//! cargo bench -p mha --bench table -- --devices flex --shapes 4x512x512x8
-//! cargo bench -p mha --bench table -- --devices wgpu --shapes 8x128x256x8
+//! cargo bench --workspace --bench table                          # flex and ndarray, every shape
+//! cargo bench --workspace --bench table -- --devices flex --shapes 4x512x512x8
+//! cargo bench --workspace --bench table -- --devices wgpu --shapes 8x128x256x8
 //! ```
 //!
 //! Modes: `fwd` (inference, no weights), `fwd+weights` (per-head weights returned) and
@@ -210,8 +210,11 @@ fn main() {
                     "fused" => AttentionPath::Fused,
                     "explicit" => AttentionPath::Explicit,
                     "chunked" => AttentionPath::Chunked(Default::default()),
+                    "flash" => AttentionPath::Flash(Default::default()),
                     other => {
-                        panic!("--path: unknown path {other} (auto, fused, explicit, chunked)")
+                        panic!(
+                            "--path: unknown path {other} (auto, fused, explicit, chunked, flash)"
+                        )
                     }
                 }
             }

@@ -20,11 +20,13 @@ pub enum NeedWeights {
 /// Which implementation computes `softmax(q kᵀ · scale + bias) v`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum AttentionPath {
-    /// Let the module choose (the default): on a device without autodiff, when the weights
-    /// are not requested and the softmax is the plain one, the fused kernel — or, above
-    /// [`CHUNKED_THRESHOLD`](crate::CHUNKED_THRESHOLD) score elements on a backend other than
-    /// flex (whose fused kernel is tiled already), the chunked path; else (weights, dropout,
-    /// quiet softmax, or any autodiff device) the explicit path.
+    /// Let the module choose (the default). When the weights are requested, dropout is active
+    /// or the softmax is quiet: the explicit path. Otherwise, on a device without autodiff: the
+    /// fused kernel, or above [`CHUNKED_THRESHOLD`](crate::CHUNKED_THRESHOLD) score elements on
+    /// a backend other than flex (whose fused kernel is tiled already) the chunked path. On an
+    /// autodiff device: the flash kernel above [`FLASH_THRESHOLD`](crate::FLASH_THRESHOLD)
+    /// score elements where [`flash_attention_supported`](crate::flash_attention_supported)
+    /// (and no float mask needs a gradient), else the explicit path.
     #[default]
     Auto,
     /// Burn's fused `burn::tensor::module::attention` (flash kernels on flex and CubeCL
@@ -37,6 +39,12 @@ pub enum AttentionPath {
     /// scores, so inference memory stays bounded at any length. Cannot return weights, apply
     /// dropout or a quiet softmax.
     Chunked(ChunkSizes),
+    /// The chunked computation as one autodiff op whose backward recomputes each score block
+    /// from the saved log-sum-exp (FlashAttention-2): training memory stays `O(seq)` too.
+    /// Runs on the backends [`flash_attention_supported`](crate::flash_attention_supported)
+    /// accepts; a float attention mask gets no gradient through it. Cannot return weights,
+    /// apply dropout or a quiet softmax.
+    Flash(ChunkSizes),
 }
 
 /// A caller's attention mask in rank-4 form, with the rank it was given in.

@@ -43,6 +43,9 @@
 mod alibi;
 mod cache;
 mod config;
+// Names burn-ndarray's deprecated backend type, supported while Burn ships it.
+#[allow(deprecated)]
+mod flash;
 mod input;
 mod kernel;
 mod mask;
@@ -53,12 +56,13 @@ mod shape;
 pub use alibi::alibi_slopes;
 pub use cache::{CacheError, CacheLimit, CrossAttentionCache, KvCache};
 pub use config::{AttentionInitializer, ConfigError, MultiHeadAttentionConfig};
+pub use flash::flash_attention_supported;
 pub use input::{
     AttentionPath, AttentionWeights, AttnMask, IntoAttnMask, MhaInput, MhaOutput, NeedWeights,
 };
 pub use kernel::ChunkSizes;
 pub use mask::causal_mask;
-pub use module::{CHUNKED_THRESHOLD, MultiHeadAttention};
+pub use module::{CHUNKED_THRESHOLD, FLASH_THRESHOLD, MultiHeadAttention};
 pub use rotary::{RopeConfig, RopeLayout};
 
 #[cfg(feature = "pytorch")]

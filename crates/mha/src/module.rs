@@ -6,7 +6,10 @@ use burn::tensor::{Bool, Device, Tensor, TensorData};
 
 use crate::alibi::alibi_bias;
 use crate::cache::{CacheError, CacheLimit, CrossAttentionCache, KvCache};
-use crate::input::{AttentionPath, AttentionWeights, MhaInput, MhaOutput, NeedWeights};
+use crate::flash::{flash_attention, flash_attention_supported};
+use crate::input::{
+    AttentionPath, AttentionWeights, AttnMask, MaskValues, MhaInput, MhaOutput, NeedWeights,
+};
 use crate::kernel::{
     ChunkSizes, SoftmaxOptions, chunked_attention, explicit_attention, fused_attention,
 };
@@ -107,12 +110,18 @@ impl ModuleDisplay for MultiHeadAttention {
 /// already tiled).
 pub const CHUNKED_THRESHOLD: usize = 1 << 26;
 
+/// Above this many score elements (`batch · n_heads · seq_q · seq_k`), [`AttentionPath::Auto`]
+/// trains with the flash kernel where it runs (see
+/// [`flash_attention_supported`](crate::flash_attention_supported)).
+pub const FLASH_THRESHOLD: usize = 1 << 24;
+
 /// The implementation one forward uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Kernel {
     Fused,
     Explicit,
     Chunked(ChunkSizes),
+    Flash(ChunkSizes),
 }
 
 /// Shapes of one forward, read off its input.
@@ -148,8 +157,10 @@ impl MultiHeadAttention {
     ///
     /// - if a tensor's shape does not match the above (the message names the argument, the
     ///   expected and the actual shape), or a sequence or the batch is empty;
-    /// - if [`AttentionPath::Fused`] or [`AttentionPath::Chunked`] is forced while weights are
-    ///   requested, dropout is active or the softmax is quiet, which those kernels cannot do.
+    /// - if [`AttentionPath::Fused`], [`AttentionPath::Chunked`] or [`AttentionPath::Flash`] is
+    ///   forced while weights are requested, dropout is active or the softmax is quiet, which
+    ///   those kernels cannot do, or [`AttentionPath::Flash`] on a backend without it or with a
+    ///   float attention mask that requires a gradient.
     pub fn forward(&self, input: MhaInput) -> MhaOutput {
         let dims = self.check_sequences(&input.query, &input.key, &input.value);
         let MhaInput {
@@ -164,7 +175,7 @@ impl MultiHeadAttention {
         } = input;
         let geometry = self.geometry(&dims, dims.seq_k);
         check_masks(key_padding_mask.as_ref(), attn_mask.as_ref(), geometry);
-        let kernel = self.choose_kernel(path, need_weights, &query, &geometry);
+        let kernel = self.choose_kernel(path, need_weights, &query, attn_mask.as_ref(), &geometry);
         let device = query.device();
         let query_start = dims.seq_k.saturating_sub(dims.seq_q);
 
@@ -248,7 +259,7 @@ impl MultiHeadAttention {
         let first_key = cache.seen - stored;
         let geometry = self.geometry(&dims, total);
         check_masks(padding.as_ref(), attn_mask.as_ref(), geometry);
-        let kernel = self.choose_kernel(path, need_weights, &query, &geometry);
+        let kernel = self.choose_kernel(path, need_weights, &query, attn_mask.as_ref(), &geometry);
 
         let query = self.project_query(query, first_query);
         let (key, value) = self.project_key_value(key, value, first_query);
@@ -360,7 +371,7 @@ impl MultiHeadAttention {
         };
         let geometry = self.geometry(&dims, cache.seq_k);
         check_masks(cache.key_padding_mask.as_ref(), None, geometry);
-        let kernel = self.choose_kernel(AttentionPath::Auto, need_weights, &query, &geometry);
+        let kernel = self.choose_kernel(AttentionPath::Auto, need_weights, &query, None, &geometry);
         let device = query.device();
         let query = self.project_query(query, 0);
         let masks = build_masks(
@@ -458,6 +469,7 @@ impl MultiHeadAttention {
         path: AttentionPath,
         need_weights: NeedWeights,
         query: &Tensor<3>,
+        attn_mask: Option<&AttnMask>,
         geometry: &MaskGeometry,
     ) -> Kernel {
         let blocker = if need_weights != NeedWeights::None {
@@ -480,21 +492,47 @@ impl MultiHeadAttention {
             * geometry.n_heads
             * geometry.seq_q
             * (geometry.seq_k + geometry.extra_keys);
+        let device = query.device();
+        let mask_needs_grad = attn_mask.is_some_and(|mask| match &mask.values {
+            MaskValues::Float(values) => values.is_require_grad(),
+            MaskValues::Bool(_) => false,
+        });
+        let flash_blocker = blocker.or_else(|| {
+            if !flash_attention_supported(&device) {
+                Some("this backend has no flash kernel (see `flash_attention_supported`)")
+            } else if mask_needs_grad {
+                Some("the float attention mask requires a gradient")
+            } else {
+                None
+            }
+        });
         match path {
             AttentionPath::Explicit => Kernel::Explicit,
             AttentionPath::Fused => forced(Kernel::Fused, "AttentionPath::Fused"),
             AttentionPath::Chunked(sizes) => {
                 forced(Kernel::Chunked(sizes), "AttentionPath::Chunked")
             }
+            AttentionPath::Flash(sizes) => match flash_blocker {
+                None => Kernel::Flash(sizes),
+                Some(reason) => panic!(
+                    "MultiHeadAttention: `AttentionPath::Flash` was forced but {reason}, which \
+                     that kernel cannot do; use `AttentionPath::Auto` or `AttentionPath::Explicit`"
+                ),
+            },
             AttentionPath::Auto if blocker.is_some() => Kernel::Explicit,
+            AttentionPath::Auto
+                if device.is_autodiff()
+                    && flash_blocker.is_none()
+                    && score_elements > FLASH_THRESHOLD =>
+            {
+                Kernel::Flash(ChunkSizes::default())
+            }
             // Burn's autodiff runs the fused op as a decomposed fallback that scales and clamps
             // the full score matrix; the explicit path scales the queries instead and uses the
             // one-op softmax: 400 ms against 485 ms for a forward + backward at batch 4, 512
             // tokens, d_model 512, 8 heads on flex (benches/table.rs).
-            AttentionPath::Auto if query.device().is_autodiff() => Kernel::Explicit,
-            AttentionPath::Auto
-                if score_elements > CHUNKED_THRESHOLD && !runs_on_flex(&query.device()) =>
-            {
+            AttentionPath::Auto if device.is_autodiff() => Kernel::Explicit,
+            AttentionPath::Auto if score_elements > CHUNKED_THRESHOLD && !runs_on_flex(&device) => {
                 Kernel::Chunked(ChunkSizes::default())
             }
             AttentionPath::Auto => Kernel::Fused,
@@ -567,6 +605,10 @@ impl MultiHeadAttention {
             ),
             Kernel::Chunked(sizes) => (
                 chunked_attention(query, key, value, masks, options, sizes),
+                None,
+            ),
+            Kernel::Flash(sizes) => (
+                flash_attention(query, key, value, masks, options, sizes),
                 None,
             ),
             Kernel::Explicit => {
