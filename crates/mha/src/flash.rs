@@ -90,7 +90,7 @@ impl<B: Backend> MaybeBool<B> {
 /// The default body is generic over the backend's primitives; autodiff gets the handwritten
 /// backward below.
 #[backend_extension(Flex: cfg(feature = "flex"), NdArray: cfg(feature = "ndarray"), Autodiff)]
-pub trait FlashAttentionBackend: Backend {
+pub(crate) trait FlashAttentionBackend: Backend {
     /// `softmax(q kᵀ · scale + bias, forbidden and causal-future keys removed) v` by blocks.
     ///
     /// # Shapes
@@ -121,14 +121,64 @@ pub trait FlashAttentionBackend: Backend {
     }
 }
 
+/// The forward and backward computations of a backend, generic unless overridden.
+pub(crate) trait FlashKernels: Backend {
+    fn forward_kernel(inputs: &FlashInputs<Self>) -> FlashForward<Self> {
+        flash_forward(inputs)
+    }
+
+    fn backward_kernel(
+        state: &FlashState<Self>,
+        output_grad: FloatTensor<Self>,
+    ) -> FlashGrads<Self> {
+        flash_backward(state, output_grad)
+    }
+}
+
 #[cfg(feature = "flex")]
-impl FlashAttentionBackend for burn::backend::Flex {}
+impl FlashKernels for burn::backend::Flex {
+    fn forward_kernel(inputs: &FlashInputs<Self>) -> FlashForward<Self> {
+        crate::flash_flex::forward(inputs).unwrap_or_else(|| flash_forward(inputs))
+    }
+
+    fn backward_kernel(
+        state: &FlashState<Self>,
+        output_grad: FloatTensor<Self>,
+    ) -> FlashGrads<Self> {
+        crate::flash_flex::backward(state, &output_grad)
+            .unwrap_or_else(|| flash_backward(state, output_grad))
+    }
+}
+
+#[cfg(feature = "flex")]
+impl FlashAttentionBackend for burn::backend::Flex {
+    fn flash_attention(
+        query: FloatTensor<Self>,
+        key: FloatTensor<Self>,
+        value: FloatTensor<Self>,
+        bias: MaybeFloat<Self>,
+        forbid: MaybeBool<Self>,
+        params: FlashParams,
+    ) -> FloatTensor<Self> {
+        let inputs = FlashInputs {
+            query,
+            key,
+            value,
+            bias: bias.into_option(),
+            forbid: forbid.into_option(),
+            params,
+        };
+        Self::forward_kernel(&inputs).output
+    }
+}
 
 #[cfg(feature = "ndarray")]
-#[allow(deprecated)]
+impl FlashKernels for burn::backend::NdArray {}
+
+#[cfg(feature = "ndarray")]
 impl FlashAttentionBackend for burn::backend::NdArray {}
 
-impl<B: Backend, C: CheckpointStrategy> FlashAttentionBackend for Autodiff<B, C> {
+impl<B: FlashKernels, C: CheckpointStrategy> FlashAttentionBackend for Autodiff<B, C> {
     fn flash_attention(
         query: FloatTensor<Self>,
         key: FloatTensor<Self>,
@@ -155,7 +205,7 @@ impl<B: Backend, C: CheckpointStrategy> FlashAttentionBackend for Autodiff<B, C>
                 let FlashForward {
                     output,
                     log_sum_exp,
-                } = flash_forward(&inputs);
+                } = B::forward_kernel(&inputs);
                 let state = FlashState {
                     inputs,
                     output: output.clone(),
@@ -163,7 +213,7 @@ impl<B: Backend, C: CheckpointStrategy> FlashAttentionBackend for Autodiff<B, C>
                 };
                 prep.finish(state, output)
             }
-            OpsKind::UnTracked(prep) => prep.finish(flash_forward(&inputs).output),
+            OpsKind::UnTracked(prep) => prep.finish(B::forward_kernel(&inputs).output),
         }
     }
 }
@@ -227,41 +277,41 @@ pub(crate) fn flash_attention(
 
 /// The op's inputs on the backend that computes it.
 #[derive(Debug, Clone)]
-struct FlashInputs<B: Backend> {
-    query: FloatTensor<B>,
-    key: FloatTensor<B>,
-    value: FloatTensor<B>,
-    bias: Option<FloatTensor<B>>,
-    forbid: Option<BoolTensor<B>>,
-    params: FlashParams,
+pub(crate) struct FlashInputs<B: Backend> {
+    pub query: FloatTensor<B>,
+    pub key: FloatTensor<B>,
+    pub value: FloatTensor<B>,
+    pub bias: Option<FloatTensor<B>>,
+    pub forbid: Option<BoolTensor<B>>,
+    pub params: FlashParams,
 }
 
-struct FlashForward<B: Backend> {
+pub(crate) struct FlashForward<B: Backend> {
     /// `[batch, n_heads, seq_q, value_dim]`
-    output: FloatTensor<B>,
+    pub output: FloatTensor<B>,
     /// `log Σ_k exp(score)` per query, `[batch, n_heads, seq_q, 1]`; `f32::MIN` for a query with
     /// no allowed key, so that every recomputed probability of that row is `exp(-inf) = 0`.
-    log_sum_exp: FloatTensor<B>,
+    pub log_sum_exp: FloatTensor<B>,
 }
 
 /// What the backward pass keeps: the inputs, the output and the log-sum-exp, `O(seq)` each.
 #[derive(Debug, Clone)]
-struct FlashState<B: Backend> {
-    inputs: FlashInputs<B>,
-    output: FloatTensor<B>,
-    log_sum_exp: FloatTensor<B>,
+pub(crate) struct FlashState<B: Backend> {
+    pub inputs: FlashInputs<B>,
+    pub output: FloatTensor<B>,
+    pub log_sum_exp: FloatTensor<B>,
 }
 
 #[derive(Debug)]
 struct FlashAttentionBackward;
 
-impl<B: Backend> Backward<B, 3> for FlashAttentionBackward {
+impl<B: FlashKernels> Backward<B, 3> for FlashAttentionBackward {
     type State = FlashState<B>;
 
     fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
         let [query_node, key_node, value_node] = ops.parents;
         let output_grad = grads.consume::<B>(&ops.node);
-        let FlashGrads { query, key, value } = flash_backward(&ops.state, output_grad);
+        let FlashGrads { query, key, value } = B::backward_kernel(&ops.state, output_grad);
         for (node, grad) in [(query_node, query), (key_node, key), (value_node, value)] {
             if let Some(node) = node {
                 grads.register::<B>(node.id, grad);
@@ -270,10 +320,10 @@ impl<B: Backend> Backward<B, 3> for FlashAttentionBackward {
     }
 }
 
-struct FlashGrads<B: Backend> {
-    query: FloatTensor<B>,
-    key: FloatTensor<B>,
-    value: FloatTensor<B>,
+pub(crate) struct FlashGrads<B: Backend> {
+    pub query: FloatTensor<B>,
+    pub key: FloatTensor<B>,
+    pub value: FloatTensor<B>,
 }
 
 /// Sizes of one call, read off its inputs.

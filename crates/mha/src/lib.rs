@@ -46,12 +46,16 @@ mod config;
 // Names burn-ndarray's deprecated backend type, supported while Burn ships it.
 #[allow(deprecated)]
 mod flash;
+#[cfg(feature = "flex")]
+mod flash_flex;
 mod input;
 mod kernel;
 mod mask;
 mod module;
 mod rotary;
 mod shape;
+#[cfg(feature = "flex")]
+mod simd;
 
 pub use alibi::alibi_slopes;
 pub use cache::{CacheError, CacheLimit, CrossAttentionCache, KvCache};
