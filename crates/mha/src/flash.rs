@@ -138,14 +138,14 @@ pub(crate) trait FlashKernels: Backend {
 #[cfg(feature = "flex")]
 impl FlashKernels for burn::backend::Flex {
     fn forward_kernel(inputs: &FlashInputs<Self>) -> FlashForward<Self> {
-        crate::flash_flex::forward(inputs).unwrap_or_else(|| flash_forward(inputs))
+        crate::flash_cpu::forward(inputs).unwrap_or_else(|| flash_forward(inputs))
     }
 
     fn backward_kernel(
         state: &FlashState<Self>,
         output_grad: FloatTensor<Self>,
     ) -> FlashGrads<Self> {
-        crate::flash_flex::backward(state, &output_grad)
+        crate::flash_cpu::backward(state, &output_grad)
             .unwrap_or_else(|| flash_backward(state, output_grad))
     }
 }
@@ -173,10 +173,41 @@ impl FlashAttentionBackend for burn::backend::Flex {
 }
 
 #[cfg(feature = "ndarray")]
-impl FlashKernels for burn::backend::NdArray {}
+impl FlashKernels for burn::backend::NdArray {
+    fn forward_kernel(inputs: &FlashInputs<Self>) -> FlashForward<Self> {
+        crate::flash_cpu::forward(inputs).unwrap_or_else(|| flash_forward(inputs))
+    }
+
+    fn backward_kernel(
+        state: &FlashState<Self>,
+        output_grad: FloatTensor<Self>,
+    ) -> FlashGrads<Self> {
+        crate::flash_cpu::backward(state, &output_grad)
+            .unwrap_or_else(|| flash_backward(state, output_grad))
+    }
+}
 
 #[cfg(feature = "ndarray")]
-impl FlashAttentionBackend for burn::backend::NdArray {}
+impl FlashAttentionBackend for burn::backend::NdArray {
+    fn flash_attention(
+        query: FloatTensor<Self>,
+        key: FloatTensor<Self>,
+        value: FloatTensor<Self>,
+        bias: MaybeFloat<Self>,
+        forbid: MaybeBool<Self>,
+        params: FlashParams,
+    ) -> FloatTensor<Self> {
+        let inputs = FlashInputs {
+            query,
+            key,
+            value,
+            bias: bias.into_option(),
+            forbid: forbid.into_option(),
+            params,
+        };
+        Self::forward_kernel(&inputs).output
+    }
+}
 
 impl<B: FlashKernels, C: CheckpointStrategy> FlashAttentionBackend for Autodiff<B, C> {
     fn flash_attention(

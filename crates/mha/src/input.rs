@@ -21,12 +21,12 @@ pub enum NeedWeights {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum AttentionPath {
     /// Let the module choose (the default). When the weights are requested, dropout is active
-    /// or the softmax is quiet: the explicit path. Otherwise, on a device without autodiff: the
-    /// fused kernel, or above [`CHUNKED_THRESHOLD`](crate::CHUNKED_THRESHOLD) score elements on
-    /// a backend other than flex (whose fused kernel is tiled already) the chunked path. On an
-    /// autodiff device: the flash kernel above [`FLASH_THRESHOLD`](crate::FLASH_THRESHOLD)
-    /// score elements where [`flash_attention_supported`](crate::flash_attention_supported)
-    /// (and no float mask needs a gradient), else the explicit path.
+    /// or the softmax is quiet: the explicit path. Otherwise the flash kernel where
+    /// [`flash_attention_supported`](crate::flash_attention_supported) (flex and ndarray, with
+    /// this crate's features of those names) and no float mask needs a gradient. Elsewhere: on
+    /// an autodiff device the explicit path; without autodiff the fused kernel, or above
+    /// [`CHUNKED_THRESHOLD`](crate::CHUNKED_THRESHOLD) score elements on a backend other than
+    /// flex (whose fused kernel is tiled already) the chunked path.
     #[default]
     Auto,
     /// Burn's fused `burn::tensor::module::attention` (flash kernels on flex and CubeCL

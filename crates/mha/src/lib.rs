@@ -46,15 +46,16 @@ mod config;
 // Names burn-ndarray's deprecated backend type, supported while Burn ships it.
 #[allow(deprecated)]
 mod flash;
-#[cfg(feature = "flex")]
-mod flash_flex;
+#[cfg(any(feature = "flex", feature = "ndarray"))]
+#[allow(deprecated)] // burn-ndarray, as above
+mod flash_cpu;
 mod input;
 mod kernel;
 mod mask;
 mod module;
 mod rotary;
 mod shape;
-#[cfg(feature = "flex")]
+#[cfg(any(feature = "flex", feature = "ndarray"))]
 mod simd;
 
 pub use alibi::alibi_slopes;
@@ -66,7 +67,7 @@ pub use input::{
 };
 pub use kernel::ChunkSizes;
 pub use mask::causal_mask;
-pub use module::{CHUNKED_THRESHOLD, FLASH_THRESHOLD, MultiHeadAttention};
+pub use module::{CHUNKED_THRESHOLD, MultiHeadAttention};
 pub use rotary::{RopeConfig, RopeLayout};
 
 #[cfg(feature = "pytorch")]

@@ -110,12 +110,6 @@ impl ModuleDisplay for MultiHeadAttention {
 /// already tiled).
 pub const CHUNKED_THRESHOLD: usize = 1 << 26;
 
-/// Above this many score elements (`batch · n_heads · seq_q · seq_k`), [`AttentionPath::Auto`]
-/// trains with the flash kernel where it runs (see
-/// [`flash_attention_supported`](crate::flash_attention_supported)); on flex it takes it at
-/// any size.
-pub const FLASH_THRESHOLD: usize = 1 << 24;
-
 /// The implementation one forward uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Kernel {
@@ -521,20 +515,10 @@ impl MultiHeadAttention {
                 ),
             },
             AttentionPath::Auto if blocker.is_some() => Kernel::Explicit,
-            // On flex the flash kernel runs on raw storage (`flash_flex.rs`) and beats every
-            // other path at every size measured, inference and training (benches/table.rs).
-            AttentionPath::Auto if flash_blocker.is_none() && runs_on_flex(&device) => {
-                Kernel::Flash(ChunkSizes::default())
-            }
-            // Elsewhere its generic body is about as fast as the explicit path, and worth it
-            // for the memory it saves in training.
-            AttentionPath::Auto
-                if device.is_autodiff()
-                    && flash_blocker.is_none()
-                    && score_elements > FLASH_THRESHOLD =>
-            {
-                Kernel::Flash(ChunkSizes::default())
-            }
+            // Where the flash kernel is compiled it runs natively on the backend's storage
+            // (`flash_cpu.rs`) and beats every other path at every size measured, inference
+            // and training, on flex and on ndarray (benches/table.rs).
+            AttentionPath::Auto if flash_blocker.is_none() => Kernel::Flash(ChunkSizes::default()),
             // Burn's autodiff runs the fused op as a decomposed fallback that scales and clamps
             // the full score matrix; the explicit path scales the queries instead and uses the
             // one-op softmax: 400 ms against 485 ms for a forward + backward at batch 4, 512
@@ -688,11 +672,10 @@ fn sliding_window_mask(
         .reshape([1, 1, new, total])
 }
 
-/// Whether `device` (or the device under its autodiff) is flex, where three choices pay off
-/// that were measured nowhere else:
-/// - The flash kernel has a native implementation on flex's storage (`flash_flex.rs`), faster
-///   than every other path for inference and training, so `Auto` takes it whenever it can.
-/// - Where it cannot (a float mask that needs a gradient), Burn's fused attention op is a kernel whose memory does not grow with `seq_q × seq_k`
+/// Whether `device` (or the device under its autodiff) is flex, where two choices pay off that
+/// were measured nowhere else:
+/// - Where the flash kernel cannot run (a float mask that needs a gradient, or this crate's
+///   `flex` feature off), Burn's fused attention op is a kernel whose memory does not grow with `seq_q × seq_k`
 ///   (it tiles keys with an online softmax above 256 Ki score elements per head, and at 8192
 ///   tokens runs in 2.5 s where the chunked path takes 4.6 s), so it needs no chunked path.
 ///   Other backends may materialise the scores (ndarray always does).

@@ -1,70 +1,147 @@
-//! The flash kernel on flex's f32 storage: the same computation as the generic body in
-//! `flash.rs`, with the matmuls handed to the `gemm` crate (flex's own GEMM) on strided views
-//! (no transposed copies), the scale folded into the score GEMM, a vectorised `exp`, key
-//! blocks past a query block's causal horizon skipped, and every intermediate in one reused
-//! per-thread buffer instead of fresh tensors.
+//! The flash kernel on the f32 storage of the CPU backends (flex, ndarray): the same
+//! computation as the generic body in `flash.rs`, with the matmuls handed to the `gemm` crate
+//! (flex's own GEMM) on strided views (no transposed or head-split copies), the scale folded
+//! into the score GEMM, a vectorised `exp`, key blocks past a query block's causal horizon
+//! skipped, results written sequence-major (the layout the head merge reads without a copy),
+//! and every intermediate in one reused per-thread buffer instead of fresh tensors.
 //!
 //! Parallel over `(batch, head)` in the forward and over `(batch, key/value head)` in the
 //! backward, where each task owns its key/value gradients outright.
 
-use burn::backend::flex::{FlexTensor, Layout};
-use burn::backend::ops::FloatTensorOps;
-use burn::backend::{Bytes, DType, Flex, Shape, TensorData, TensorMetadata};
+use burn::backend::tensor::FloatTensor;
+use burn::backend::{Backend, DType, TensorData, TensorMetadata};
 use rayon::prelude::*;
 
 use crate::flash::{FlashForward, FlashGrads, FlashInputs, FlashState};
+
+/// A CPU backend whose float tensors this kernel reads and writes in place.
+pub(crate) trait CpuStorage: Backend {
+    /// `tensor` itself, or a copy in a layout [`CpuStorage::strided`] reads, for f32.
+    fn readable(tensor: &FloatTensor<Self>) -> Option<FloatTensor<Self>>;
+
+    /// The f32 elements from the tensor's first one on, and its four strides, if all are
+    /// non-negative and the last is 1.
+    fn strided(tensor: &FloatTensor<Self>) -> Option<(&[f32], [usize; 4])>;
+
+    /// A tensor of logical shape `[batch, heads, seq, dim]` over `values` laid out
+    /// `[batch, seq, heads, dim]`.
+    fn sequence_major(values: Vec<f32>, shape: [usize; 4]) -> FloatTensor<Self>;
+}
+
+#[cfg(feature = "flex")]
+impl CpuStorage for burn::backend::Flex {
+    fn readable(tensor: &FloatTensor<Self>) -> Option<FloatTensor<Self>> {
+        if tensor.dtype() != DType::F32 {
+            return None;
+        }
+        Some(match Self::strided(tensor) {
+            Some(_) => tensor.clone(),
+            None => tensor.to_contiguous(),
+        })
+    }
+
+    fn strided(tensor: &FloatTensor<Self>) -> Option<(&[f32], [usize; 4])> {
+        let layout = tensor.layout();
+        let strides = layout.strides();
+        if strides.len() != 4 || strides[3] != 1 || strides.iter().any(|&s| s < 0) {
+            return None;
+        }
+        let values = &tensor.storage::<f32>()[layout.start_offset()..];
+        Some((values, [0, 1, 2, 3].map(|axis| strides[axis] as usize)))
+    }
+
+    fn sequence_major(values: Vec<f32>, shape: [usize; 4]) -> FloatTensor<Self> {
+        use burn::backend::flex::{FlexTensor, Layout};
+        let [_, heads, seq, dim] = shape;
+        let strides = [seq * heads * dim, dim, heads * dim, 1].map(|s| s as isize);
+        FlexTensor::new(
+            burn::backend::Bytes::from_elems(values),
+            Layout::new(burn::backend::Shape::new(shape), strides.to_vec(), 0),
+            DType::F32,
+        )
+    }
+}
+
+#[cfg(feature = "ndarray")]
+impl CpuStorage for burn::backend::NdArray {
+    fn readable(tensor: &FloatTensor<Self>) -> Option<FloatTensor<Self>> {
+        use burn::backend::ndarray::NdArrayTensor;
+        let NdArrayTensor::F32(storage) = tensor else {
+            return None;
+        };
+        Some(match Self::strided(tensor) {
+            Some(_) => tensor.clone(),
+            None => NdArrayTensor::from(
+                storage
+                    .view()
+                    .as_standard_layout()
+                    .into_owned()
+                    .into_shared(),
+            ),
+        })
+    }
+
+    fn strided(tensor: &FloatTensor<Self>) -> Option<(&[f32], [usize; 4])> {
+        let burn::backend::ndarray::NdArrayTensor::F32(storage) = tensor else {
+            return None;
+        };
+        let view = storage.view();
+        let (shape, strides) = (view.shape(), view.strides());
+        if strides.len() != 4 || strides[3] != 1 || strides.iter().any(|&s| s < 0) {
+            return None;
+        }
+        let extent = 1
+            + (0..4)
+                .map(|axis| shape[axis].saturating_sub(1) * strides[axis] as usize)
+                .sum::<usize>();
+        // SAFETY: the view's elements lie in `extent` elements from its first one (non-negative
+        // strides), all inside `storage`, which the returned slice borrows.
+        let values = unsafe { std::slice::from_raw_parts(view.as_ptr(), extent) };
+        Some((values, [0, 1, 2, 3].map(|axis| strides[axis] as usize)))
+    }
+
+    fn sequence_major(values: Vec<f32>, shape: [usize; 4]) -> FloatTensor<Self> {
+        use burn::backend::ndarray::NdArrayTensor;
+        use ndarray::{ArcArray, IxDyn, ShapeBuilder};
+        let [_, heads, seq, dim] = shape;
+        let strides = [seq * heads * dim, dim, heads * dim, 1];
+        let array = ArcArray::from_shape_vec(IxDyn(&shape).strides(IxDyn(&strides)), values)
+            .expect("sequence-major strides fit the buffer");
+        NdArrayTensor::from(array)
+    }
+}
 
 /// Queries per block at most (fewer when `ChunkSizes::query` asks): the score block is
 /// `query block × visible keys` floats per thread. Keys are not blocked: a row's softmax is
 /// then one pass, and 128 rows of 16384 keys are 8 MiB.
 const QUERY_BLOCK: usize = 128;
 
-fn slice(tensor: &FlexTensor) -> &[f32] {
-    tensor.as_slice::<f32>().expect("contiguous f32")
-}
-
-fn flex_tensor(values: Vec<f32>, shape: [usize; 4]) -> FlexTensor {
-    FlexTensor::from_data(TensorData::new(values, shape))
+fn from_values<B: Backend>(
+    values: Vec<f32>,
+    shape: [usize; 4],
+    device: &B::Device,
+) -> FloatTensor<B> {
+    B::float_from_data(TensorData::new(values, shape), device)
 }
 
 /// A `[batch, heads, seq, dim]` f32 tensor read in place through its strides: the heads that
-/// `Linear` + split produce (`[batch, seq, heads, dim]` memory) need no copy. Other layouts
-/// (a negative or non-unit last stride) are copied first.
-struct View {
-    tensor: FlexTensor,
-    offset: usize,
+/// `Linear` + split produce (`[batch, seq, heads, dim]` memory) need no copy.
+struct View<'a> {
+    values: &'a [f32],
     strides: [usize; 4],
 }
 
-impl View {
-    fn of(tensor: &FlexTensor) -> Option<Self> {
-        if tensor.dtype() != DType::F32 {
-            return None;
-        }
-        let readable = |tensor: &FlexTensor| {
-            let strides = tensor.layout().strides();
-            (strides.len() == 4 && strides[3] == 1 && strides.iter().all(|&s| s >= 0))
-                .then(|| [0, 1, 2, 3].map(|axis| strides[axis] as usize))
-        };
-        let tensor = match readable(tensor) {
-            Some(_) => tensor.clone(),
-            None => tensor.to_contiguous(),
-        };
-        let strides = readable(&tensor)?;
-        let offset = tensor.layout().start_offset();
-        Some(Self {
-            tensor,
-            offset,
-            strides,
-        })
+impl<'a> View<'a> {
+    fn of<B: CpuStorage>(readable: &'a FloatTensor<B>) -> Option<Self> {
+        let (values, strides) = B::strided(readable)?;
+        Some(Self { values, strides })
     }
 
     /// Head `(batch, head)` as a `[seq, dim]` matrix.
     fn matrix(&self, batch: usize, head: usize) -> Matrix {
-        let data = self.tensor.storage::<f32>();
-        let start = self.offset + batch * self.strides[0] + head * self.strides[1];
+        let start = batch * self.strides[0] + head * self.strides[1];
         Matrix {
-            pointer: data[start..].as_ptr(),
+            pointer: self.values[start..].as_ptr(),
             row_stride: self.strides[2] as isize,
             column_stride: 1,
         }
@@ -72,10 +149,8 @@ impl View {
 
     /// Row `row` of head `(batch, head)`, `dim` long.
     fn row(&self, batch: usize, head: usize, row: usize, dim: usize) -> &[f32] {
-        let data = self.tensor.storage::<f32>();
-        let start =
-            self.offset + batch * self.strides[0] + head * self.strides[1] + row * self.strides[2];
-        &data[start..start + dim]
+        let start = batch * self.strides[0] + head * self.strides[1] + row * self.strides[2];
+        &self.values[start..start + dim]
     }
 }
 
@@ -99,14 +174,8 @@ impl SequenceMajor {
         SharedPointer(self.values.as_mut_ptr())
     }
 
-    fn into_tensor(self) -> FlexTensor {
-        let [_, heads, seq, dim] = self.shape;
-        let strides = [seq * heads * dim, dim, heads * dim, 1].map(|s| s as isize);
-        FlexTensor::new(
-            Bytes::from_elems(self.values),
-            Layout::new(Shape::new(self.shape), strides.to_vec(), 0),
-            DType::F32,
-        )
+    fn into_tensor<B: CpuStorage>(self) -> FloatTensor<B> {
+        B::sequence_major(self.values, self.shape)
     }
 }
 
@@ -207,38 +276,41 @@ impl MatrixMut {
 /// The additive mask of one call: `bias` plus `-inf` where `forbid`, broadcastable to
 /// `[batch, n_heads, seq_q, seq_k]`, with the element strides that broadcast it (0 on an axis
 /// of size 1).
-struct Bias {
-    tensor: FlexTensor,
+struct Bias<B: CpuStorage> {
+    tensor: FloatTensor<B>,
     strides: [usize; 4],
 }
 
-impl Bias {
-    fn of(inputs: &FlashInputs<Flex>) -> Option<Self> {
+impl<B: CpuStorage> Bias<B> {
+    fn of(inputs: &FlashInputs<B>) -> Option<Self> {
         let forbid = inputs.forbid.clone().map(|forbid| {
             let shape = forbid.shape();
-            let zeros = Flex::float_zeros(shape, &inputs.query.device(), DType::F32.into());
-            Flex::float_mask_fill(zeros, forbid, f32::NEG_INFINITY.into())
+            let zeros = B::float_zeros(shape, &inputs.query.device(), DType::F32.into());
+            B::float_mask_fill(zeros, forbid, f32::NEG_INFINITY.into())
         });
         let tensor = match (inputs.bias.clone(), forbid) {
             (None, None) => return None,
             (Some(bias), None) => bias,
             (None, Some(forbid)) => forbid,
-            (Some(bias), Some(forbid)) => Flex::float_add(bias, forbid),
+            (Some(bias), Some(forbid)) => B::float_add(bias, forbid),
         };
-        let tensor = tensor.to_contiguous();
+        let tensor = B::readable(&tensor)?;
         let shape = tensor.shape();
-        let mut strides = [0; 4];
-        let mut stride = 1;
-        for axis in (0..4).rev() {
-            strides[axis] = if shape[axis] == 1 { 0 } else { stride };
-            stride *= shape[axis];
-        }
+        let (_, read_strides) = B::strided(&tensor)?;
+        // A broadcast axis is read with stride 0, whatever its stored stride.
+        let strides = [0, 1, 2, 3].map(|axis| {
+            if shape[axis] == 1 {
+                0
+            } else {
+                read_strides[axis]
+            }
+        });
         Some(Self { tensor, strides })
     }
 
     /// Adds the bias row of query `query` of head `(batch, head)` to `scores`.
     fn add_row(&self, scores: &mut [f32], batch: usize, head: usize, query: usize) {
-        let values = slice(&self.tensor);
+        let (values, _) = B::strided(&self.tensor).expect("checked in `Bias::of`");
         let [batch_stride, head_stride, query_stride, key_stride] = self.strides;
         let start = batch * batch_stride + head * head_stride + query * query_stride;
         if key_stride == 0 {
@@ -270,13 +342,12 @@ struct Sizes {
 }
 
 impl Sizes {
-    fn of(
-        query: &FlexTensor,
-        key: &FlexTensor,
-        value: &FlexTensor,
-        inputs: &FlashInputs<Flex>,
-    ) -> Self {
-        let (q, k, v) = (query.shape(), key.shape(), value.shape());
+    fn of<B: Backend>(inputs: &FlashInputs<B>) -> Self {
+        let (q, k, v) = (
+            inputs.query.shape(),
+            inputs.key.shape(),
+            inputs.value.shape(),
+        );
         Self {
             batch: q[0],
             n_heads: q[1],
@@ -349,9 +420,9 @@ unsafe fn gemm(
     }
 }
 
-/// `(query, key, value)` views and the sizes of one call, or `None` for a dtype this kernel
-/// does not take (the generic body runs instead).
-fn views(inputs: &FlashInputs<Flex>) -> Option<(View, View, View, Sizes)> {
+/// Query, key and value in layouts [`View`] reads, or `None` for a dtype this kernel does not
+/// take (the generic body runs instead).
+fn readable_inputs<B: CpuStorage>(inputs: &FlashInputs<B>) -> Option<[FloatTensor<B>; 3]> {
     if inputs
         .bias
         .as_ref()
@@ -359,16 +430,22 @@ fn views(inputs: &FlashInputs<Flex>) -> Option<(View, View, View, Sizes)> {
     {
         return None;
     }
-    let query = View::of(&inputs.query)?;
-    let key = View::of(&inputs.key)?;
-    let value = View::of(&inputs.value)?;
-    let sizes = Sizes::of(&inputs.query, &inputs.key, &inputs.value, inputs);
-    Some((query, key, value, sizes))
+    Some([
+        B::readable(&inputs.query)?,
+        B::readable(&inputs.key)?,
+        B::readable(&inputs.value)?,
+    ])
 }
 
-pub(crate) fn forward(inputs: &FlashInputs<Flex>) -> Option<FlashForward<Flex>> {
-    let (query, key, value, sizes) = views(inputs)?;
-    let bias = Bias::of(inputs);
+pub(crate) fn forward<B: CpuStorage>(inputs: &FlashInputs<B>) -> Option<FlashForward<B>> {
+    let [query, key, value] = readable_inputs(inputs)?;
+    let (query, key, value) = (
+        View::of::<B>(&query)?,
+        View::of::<B>(&key)?,
+        View::of::<B>(&value)?,
+    );
+    let sizes = Sizes::of(inputs);
+    let bias = Bias::<B>::of(inputs);
     let Sizes {
         batch,
         n_heads,
@@ -453,22 +530,33 @@ pub(crate) fn forward(inputs: &FlashInputs<Flex>) -> Option<FlashForward<Flex>> 
         },
     );
     Some(FlashForward {
-        output: output.into_tensor(),
-        log_sum_exp: flex_tensor(log_sum_exp, [batch, n_heads, seq_q, 1]),
+        output: output.into_tensor::<B>(),
+        log_sum_exp: from_values::<B>(
+            log_sum_exp,
+            [batch, n_heads, seq_q, 1],
+            &inputs.query.device(),
+        ),
     })
 }
 
-pub(crate) fn backward(
-    state: &FlashState<Flex>,
-    output_grad: &FlexTensor,
-) -> Option<FlashGrads<Flex>> {
+pub(crate) fn backward<B: CpuStorage>(
+    state: &FlashState<B>,
+    output_grad: &FloatTensor<B>,
+) -> Option<FlashGrads<B>> {
     let inputs = &state.inputs;
-    let (query, key, value, sizes) = views(inputs)?;
-    let output = View::of(&state.output)?;
-    let output_grad = View::of(output_grad)?;
-    let log_sum_exp = state.log_sum_exp.to_contiguous();
-    let lse = log_sum_exp.as_slice::<f32>()?;
-    let bias = Bias::of(inputs);
+    let [query, key, value] = readable_inputs(inputs)?;
+    let (query, key, value) = (
+        View::of::<B>(&query)?,
+        View::of::<B>(&key)?,
+        View::of::<B>(&value)?,
+    );
+    let sizes = Sizes::of(inputs);
+    let (output, output_grad) = (B::readable(&state.output)?, B::readable(output_grad)?);
+    let (output, output_grad) = (View::of::<B>(&output)?, View::of::<B>(&output_grad)?);
+    let log_sum_exp = B::readable(&state.log_sum_exp)?;
+    let (lse, lse_strides) = B::strided(&log_sum_exp)?;
+    let [batch_stride, head_stride, row_stride, _] = lse_strides;
+    let bias = Bias::<B>::of(inputs);
     let Sizes {
         batch,
         n_heads,
@@ -505,7 +593,8 @@ pub(crate) fn backward(
             for h in kv_head * groups..(kv_head + 1) * groups {
                 let head_q = query.matrix(b, h);
                 let head_d_o = output_grad.matrix(b, h);
-                let head_lse = &lse[(b * n_heads + h) * seq_q..][..seq_q];
+                let head_lse =
+                    |row: usize| lse[b * batch_stride + h * head_stride + row * row_stride];
                 let head_query_grad = query_grad_pointer.matrix(query_grad_shape, b, h);
                 for q_start in (0..seq_q).step_by(sizes.query_block) {
                     let q_len = sizes.query_block.min(seq_q - q_start);
@@ -537,7 +626,7 @@ pub(crate) fn backward(
                             bias.add_row(row_p, b, h, query_index);
                         }
                         row_p[sizes.visible_keys(query_index)..].fill(f32::NEG_INFINITY);
-                        crate::simd::exp_shifted(row_p, head_lse[query_index]);
+                        crate::simd::exp_shifted(row_p, head_lse(query_index));
                     }
                     // SAFETY: as above.
                     unsafe {
@@ -600,8 +689,8 @@ pub(crate) fn backward(
         },
     );
     Some(FlashGrads {
-        query: query_grad.into_tensor(),
-        key: key_grad.into_tensor(),
-        value: value_grad.into_tensor(),
+        query: query_grad.into_tensor::<B>(),
+        key: key_grad.into_tensor::<B>(),
+        value: value_grad.into_tensor::<B>(),
     })
 }
