@@ -493,6 +493,52 @@ fn flash_path_equals_explicit_path_in_outputs_and_gradients() {
     }
 }
 
+/// Large enough that the native flash kernel spreads heads over threads (small calls, such as
+/// decoding steps, run on the calling thread).
+#[test]
+fn flash_path_equals_explicit_path_on_threads() {
+    for (name, device) in test_devices() {
+        let device = device.autodiff();
+        if !flash_attention_supported(&device) {
+            continue;
+        }
+        device.seed(19);
+        let module = MultiHeadAttentionConfig::new(64, 4)
+            .with_n_kv_heads(Some(2))
+            .init(&device);
+        let x = randn([2, 160, 64], &device);
+        let mut padding = vec![false; 2 * 160];
+        padding[160 + 150..].fill(true);
+        let padding = Tensor::<2, Bool>::from_data(TensorData::new(padding, [2, 160]), &device);
+        let run = |path: AttentionPath| {
+            let x = x.clone().detach().require_grad();
+            let context = module
+                .forward(
+                    MhaInput::self_attn(x.clone())
+                        .causal()
+                        .key_padding_mask(padding.clone())
+                        .path(path),
+                )
+                .context;
+            let grads = (context.clone() * context.clone().sin()).sum().backward();
+            [
+                context.inner().reshape([-1]),
+                x.grad(&grads).unwrap().reshape([-1]),
+                module.key.weight.grad(&grads).unwrap().reshape([-1]),
+                module.value.weight.grad(&grads).unwrap().reshape([-1]),
+            ]
+        };
+        let explicit = run(AttentionPath::Explicit);
+        let flash = run(AttentionPath::Flash(ChunkSizes::default()));
+        for (what, (expected, actual)) in ["context", "d x", "d W_k", "d W_v"]
+            .into_iter()
+            .zip(explicit.into_iter().zip(flash))
+        {
+            assert_close(&format!("{name}: {what}"), actual, expected, 1e-4);
+        }
+    }
+}
+
 /// Where the flash kernel does not run, forcing it says so; `Auto` trains on another path.
 #[test]
 fn flash_path_is_refused_clearly_where_it_cannot_run() {

@@ -189,6 +189,15 @@ unsafe impl Send for SharedPointer {}
 unsafe impl Sync for SharedPointer {}
 
 impl SharedPointer {
+    /// Elements `start..start + length`.
+    ///
+    /// # Safety
+    ///
+    /// They lie in the buffer, and no other task touches them meanwhile.
+    unsafe fn slice<'a>(self, start: usize, length: usize) -> &'a mut [f32] {
+        unsafe { std::slice::from_raw_parts_mut(self.0.add(start), length) }
+    }
+
     /// Head `(batch, head)` of a `[batch, seq, heads, dim]` buffer as a `[seq, dim]` matrix.
     fn matrix(self, [_, heads, seq, dim]: [usize; 4], batch: usize, head: usize) -> MatrixMut {
         MatrixMut {
@@ -373,8 +382,31 @@ impl Sizes {
         }
     }
 
+    /// Whether the call is worth rayon's threads: a decoding step (one query) is not.
+    fn parallel(&self) -> bool {
+        let work =
+            self.batch * self.n_heads * self.seq_q * self.seq_k * (self.head_dim + self.value_dim);
+        self.batch * self.n_heads > 1 && work >= 1 << 22
+    }
+
     fn kv_head(&self, head: usize) -> usize {
         head / (self.n_heads / self.n_kv_heads)
+    }
+}
+
+/// Runs `task(scratch, index)` for every index below `count`, on rayon's threads when
+/// `parallel`, each thread with its own scratch from `init`.
+fn for_each_task<S: Send>(
+    count: usize,
+    parallel: bool,
+    init: impl Fn() -> S + Sync + Send,
+    task: impl Fn(&mut S, usize) + Sync + Send,
+) {
+    if parallel {
+        (0..count).into_par_iter().for_each_init(init, task);
+    } else {
+        let mut scratch = init();
+        (0..count).for_each(|index| task(&mut scratch, index));
     }
 }
 
@@ -457,9 +489,14 @@ pub(crate) fn forward<B: CpuStorage>(inputs: &FlashInputs<B>) -> Option<FlashFor
     let mut output = SequenceMajor::new([batch, n_heads, seq_q, value_dim], 0.0);
     let output_pointer = output.pointer();
     let mut log_sum_exp = vec![0.0f32; batch * n_heads * seq_q];
-    log_sum_exp.par_chunks_mut(seq_q).enumerate().for_each_init(
+    let log_sum_exp_pointer = SharedPointer(log_sum_exp.as_mut_ptr());
+    for_each_task(
+        batch * n_heads,
+        sizes.parallel(),
         Vec::new,
-        |scores, (index, log_sum_exp)| {
+        |scores: &mut Vec<f32>, index| {
+            // SAFETY: task `index` alone writes these `seq_q` elements of the buffer.
+            let log_sum_exp = unsafe { log_sum_exp_pointer.slice(index * seq_q, seq_q) };
             let (b, h) = (index / n_heads, index % n_heads);
             let kv_head = sizes.kv_head(h);
             let head_q = query.matrix(b, h);
@@ -582,9 +619,11 @@ pub(crate) fn backward<B: CpuStorage>(
     );
     let (query_grad_shape, key_grad_shape, value_grad_shape) =
         (query_grad.shape, key_grad.shape, value_grad.shape);
-    (0..batch * n_kv_heads).into_par_iter().for_each_init(
+    for_each_task(
+        batch * n_kv_heads,
+        sizes.parallel(),
         || (Vec::new(), Vec::new()),
-        |(probabilities, score_grads), kv| {
+        |(probabilities, score_grads): &mut (Vec<f32>, Vec<f32>), kv| {
             let (b, kv_head) = (kv / n_kv_heads, kv % n_kv_heads);
             let head_k = key.matrix(b, kv_head);
             let head_v = value.matrix(b, kv_head);
