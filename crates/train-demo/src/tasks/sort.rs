@@ -8,7 +8,7 @@ pub const DEFAULTS: TaskDefaults = TaskDefaults {
     d_model: 48,
     heads: 3,
     layers: 2,
-    steps: 2500,
+    steps: 3000,
     batch_size: 64,
     lr: 2e-3,
     seq_len: 6,
