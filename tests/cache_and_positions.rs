@@ -481,11 +481,17 @@ fn flash_path_equals_explicit_path_in_outputs_and_gradients() {
                 let explicit = run(AttentionPath::Explicit);
                 let flash = run(AttentionPath::Flash(sizes));
                 for ((what, expected), (_, actual)) in explicit.into_iter().zip(flash) {
+                    // Outputs as tight as every other path; gradients sum over more terms.
+                    let bound = if what == "context" {
+                        tolerance(name)
+                    } else {
+                        1e-4
+                    };
                     assert_close(
                         &format!("{name} {label} {sizes:?}: {what}"),
                         actual,
                         expected,
-                        1e-4,
+                        bound,
                     );
                 }
             }
@@ -534,7 +540,12 @@ fn flash_path_equals_explicit_path_on_threads() {
             .into_iter()
             .zip(explicit.into_iter().zip(flash))
         {
-            assert_close(&format!("{name}: {what}"), actual, expected, 1e-4);
+            let bound = if what == "context" {
+                tolerance(name)
+            } else {
+                1e-4
+            };
+            assert_close(&format!("{name}: {what}"), actual, expected, bound);
         }
     }
 }

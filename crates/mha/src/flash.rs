@@ -743,3 +743,56 @@ fn accumulate<B: Backend>(total: &mut Option<FloatTensor<B>>, term: FloatTensor<
 fn zeros_like<B: Backend>(reference: &FloatTensor<B>, shape: Shape) -> FloatTensor<B> {
     B::float_zeros(shape, &reference.device(), reference.dtype().into())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernel::chunked_attention;
+    use burn::tensor::{Distribution, TensorData, Tolerance};
+
+    /// The native kernels read heads in place through their strides and copy other layouts
+    /// first: a strided view, a negative-stride (flipped) tensor and a view at an offset give
+    /// what contiguous copies of them give on the tensor-op path.
+    #[test]
+    fn any_input_layout_gives_the_contiguous_result() {
+        #[allow(deprecated)]
+        let devices = [Device::flex(), Device::ndarray()];
+        for device in devices {
+            if !flash_attention_supported(&device) {
+                continue;
+            }
+            device.seed(3);
+            let normal = Distribution::Normal(0.0, 1.0);
+            // [batch, seq, heads, dim] memory seen as [batch, heads, seq, dim].
+            let query = Tensor::<4>::random([2, 5, 4, 8], normal, &device).swap_dims(1, 2);
+            let key = Tensor::<4>::random([2, 2, 7, 8], normal, &device).flip([2, 3]);
+            let value = Tensor::<4>::random([2, 2, 9, 8], normal, &device).narrow(2, 2, 7);
+            let copy = |tensor: &Tensor<4>| {
+                let data: TensorData = tensor.to_data();
+                Tensor::<4>::from_data(data, &device)
+            };
+            let masks = ScoreMasks {
+                causal: true,
+                ..ScoreMasks::default()
+            };
+            let options = SoftmaxOptions {
+                scale: 0.3,
+                default_scale: false,
+                quiet: false,
+            };
+            let sizes = ChunkSizes { query: 2, key: 3 };
+            let expected = chunked_attention(
+                copy(&query),
+                copy(&key),
+                copy(&value),
+                &masks,
+                options,
+                sizes,
+            );
+            let actual = flash_attention(query, key, value, &masks, options, sizes);
+            actual
+                .into_data()
+                .assert_approx_eq::<f32>(&expected.into_data(), Tolerance::absolute(1e-5));
+        }
+    }
+}
