@@ -9,8 +9,10 @@
 //! `nn.MultiheadAttention`'s features (key/value widths `kdim`/`vdim`, `add_bias_kv`,
 //! `add_zero_attn`, optional per-head or averaged weights, key padding mask with PyTorch's
 //! polarity, bool or float attention masks) and grouped-query/multi-query attention, a causal
-//! flag, a custom scale, zero (not NaN) output for fully masked queries, and Burn's fused
-//! attention kernel whenever the weights are not needed.
+//! flag, a custom scale, zero (not NaN) output for fully masked queries, a KV cache, RoPE and
+//! ALiBi, and a flash-attention kernel whose backward recomputes the scores (memory-bounded
+//! training), native on flex and ndarray; elsewhere Burn's fused attention kernel whenever the
+//! weights are not needed.
 //!
 //! # Example
 //!
