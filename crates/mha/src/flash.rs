@@ -135,79 +135,53 @@ pub(crate) trait FlashKernels: Backend {
     }
 }
 
-#[cfg(feature = "flex")]
-impl FlashKernels for burn::backend::Flex {
-    fn forward_kernel(inputs: &FlashInputs<Self>) -> FlashForward<Self> {
-        crate::flash_cpu::forward(inputs).unwrap_or_else(|| flash_forward(inputs))
-    }
+/// Gives a CPU backend the native kernels of `flash_cpu.rs`, with the generic body for the
+/// dtypes they do not take.
+#[cfg(any(feature = "flex", feature = "ndarray"))]
+macro_rules! native_flash_kernels {
+    ($backend:ty) => {
+        impl FlashKernels for $backend {
+            fn forward_kernel(inputs: &FlashInputs<Self>) -> FlashForward<Self> {
+                crate::flash_cpu::forward(inputs).unwrap_or_else(|| flash_forward(inputs))
+            }
 
-    fn backward_kernel(
-        state: &FlashState<Self>,
-        output_grad: FloatTensor<Self>,
-    ) -> FlashGrads<Self> {
-        crate::flash_cpu::backward(state, &output_grad)
-            .unwrap_or_else(|| flash_backward(state, output_grad))
-    }
+            fn backward_kernel(
+                state: &FlashState<Self>,
+                output_grad: FloatTensor<Self>,
+            ) -> FlashGrads<Self> {
+                crate::flash_cpu::backward(state, &output_grad)
+                    .unwrap_or_else(|| flash_backward(state, output_grad))
+            }
+        }
+
+        impl FlashAttentionBackend for $backend {
+            fn flash_attention(
+                query: FloatTensor<Self>,
+                key: FloatTensor<Self>,
+                value: FloatTensor<Self>,
+                bias: MaybeFloat<Self>,
+                forbid: MaybeBool<Self>,
+                params: FlashParams,
+            ) -> FloatTensor<Self> {
+                let inputs = FlashInputs {
+                    query,
+                    key,
+                    value,
+                    bias: bias.into_option(),
+                    forbid: forbid.into_option(),
+                    params,
+                };
+                Self::forward_kernel(&inputs).output
+            }
+        }
+    };
 }
 
 #[cfg(feature = "flex")]
-impl FlashAttentionBackend for burn::backend::Flex {
-    fn flash_attention(
-        query: FloatTensor<Self>,
-        key: FloatTensor<Self>,
-        value: FloatTensor<Self>,
-        bias: MaybeFloat<Self>,
-        forbid: MaybeBool<Self>,
-        params: FlashParams,
-    ) -> FloatTensor<Self> {
-        let inputs = FlashInputs {
-            query,
-            key,
-            value,
-            bias: bias.into_option(),
-            forbid: forbid.into_option(),
-            params,
-        };
-        Self::forward_kernel(&inputs).output
-    }
-}
+native_flash_kernels!(burn::backend::Flex);
 
 #[cfg(feature = "ndarray")]
-impl FlashKernels for burn::backend::NdArray {
-    fn forward_kernel(inputs: &FlashInputs<Self>) -> FlashForward<Self> {
-        crate::flash_cpu::forward(inputs).unwrap_or_else(|| flash_forward(inputs))
-    }
-
-    fn backward_kernel(
-        state: &FlashState<Self>,
-        output_grad: FloatTensor<Self>,
-    ) -> FlashGrads<Self> {
-        crate::flash_cpu::backward(state, &output_grad)
-            .unwrap_or_else(|| flash_backward(state, output_grad))
-    }
-}
-
-#[cfg(feature = "ndarray")]
-impl FlashAttentionBackend for burn::backend::NdArray {
-    fn flash_attention(
-        query: FloatTensor<Self>,
-        key: FloatTensor<Self>,
-        value: FloatTensor<Self>,
-        bias: MaybeFloat<Self>,
-        forbid: MaybeBool<Self>,
-        params: FlashParams,
-    ) -> FloatTensor<Self> {
-        let inputs = FlashInputs {
-            query,
-            key,
-            value,
-            bias: bias.into_option(),
-            forbid: forbid.into_option(),
-            params,
-        };
-        Self::forward_kernel(&inputs).output
-    }
-}
+native_flash_kernels!(burn::backend::NdArray);
 
 impl<B: FlashKernels, C: CheckpointStrategy> FlashAttentionBackend for Autodiff<B, C> {
     fn flash_attention(

@@ -394,6 +394,39 @@ impl Sizes {
     }
 }
 
+/// `scores` ← the score block of queries `q_start..q_start + q_len` of head `(b, h)` over keys
+/// `0..keys`, `[q_len, keys]`: `scale · Q Kᵀ + bias`, causal-future keys at `-inf`.
+fn score_block<B: CpuStorage>(
+    scores: &mut Vec<f32>,
+    sizes: &Sizes,
+    bias: Option<&Bias<B>>,
+    (b, h): (usize, usize),
+    (q_start, q_len, keys): (usize, usize, usize),
+    head_query: Matrix,
+    head_key: Matrix,
+) {
+    scores.resize(q_len * keys, 0.0);
+    // SAFETY: the callers' views hold these rows, and `scores` is the task's own buffer.
+    unsafe {
+        gemm(
+            (q_len, keys, sizes.head_dim),
+            MatrixMut::from_slice(scores, keys),
+            false,
+            head_query.rows_from(q_start),
+            head_key.transposed(),
+            sizes.scale,
+        );
+    }
+    for row in 0..q_len {
+        let query_index = q_start + row;
+        let row_scores = &mut scores[row * keys..][..keys];
+        if let Some(bias) = bias {
+            bias.add_row(row_scores, b, h, query_index);
+        }
+        row_scores[sizes.visible_keys(query_index)..].fill(f32::NEG_INFINITY);
+    }
+}
+
 /// Runs `task(scratch, index)` for every index below `count`, on rayon's threads when
 /// `parallel`, each thread with its own scratch from `init`.
 fn for_each_task<S: Send>(
@@ -482,7 +515,6 @@ pub(crate) fn forward<B: CpuStorage>(inputs: &FlashInputs<B>) -> Option<FlashFor
         batch,
         n_heads,
         seq_q,
-        head_dim,
         value_dim,
         ..
     } = sizes;
@@ -510,28 +542,19 @@ pub(crate) fn forward<B: CpuStorage>(inputs: &FlashInputs<B>) -> Option<FlashFor
                     log_sum_exp[q_start..q_start + q_len].fill(f32::MIN);
                     continue;
                 }
-                scores.resize(q_len * keys, 0.0);
-                // SAFETY: the views and buffers hold these rows; this task owns head (b, h).
-                unsafe {
-                    // S = scale · Q Kᵀ
-                    gemm(
-                        (q_len, keys, head_dim),
-                        MatrixMut::from_slice(scores, keys),
-                        false,
-                        head_q.rows_from(q_start),
-                        head_k.transposed(),
-                        sizes.scale,
-                    );
-                }
+                score_block(
+                    scores,
+                    &sizes,
+                    bias.as_ref(),
+                    (b, h),
+                    (q_start, q_len, keys),
+                    head_q,
+                    head_k,
+                );
                 let mut inverse_sums = [0.0f32; QUERY_BLOCK];
                 for (row, inverse_sum) in inverse_sums.iter_mut().enumerate().take(q_len) {
                     let query_index = q_start + row;
                     let row_scores = &mut scores[row * keys..][..keys];
-                    if let Some(bias) = &bias {
-                        bias.add_row(row_scores, b, h, query_index);
-                    }
-                    let visible = sizes.visible_keys(query_index);
-                    row_scores[visible..].fill(f32::NEG_INFINITY);
                     let max = crate::simd::max(row_scores);
                     if max == f32::NEG_INFINITY {
                         // No allowed key: a zero row, zero output, and a log-sum-exp that
@@ -643,30 +666,23 @@ pub(crate) fn backward<B: CpuStorage>(
                     }
                     let block_q = head_q.rows_from(q_start);
                     let block_d_o = head_d_o.rows_from(q_start);
-                    probabilities.resize(q_len * keys, 0.0);
                     score_grads.resize(q_len * keys, 0.0);
+                    // P = exp(S - lse)
+                    score_block(
+                        probabilities,
+                        &sizes,
+                        bias.as_ref(),
+                        (b, h),
+                        (q_start, q_len, keys),
+                        head_q,
+                        head_k,
+                    );
+                    for row in 0..q_len {
+                        let row_p = &mut probabilities[row * keys..][..keys];
+                        crate::simd::exp_shifted(row_p, head_lse(q_start + row));
+                    }
                     // SAFETY: the views and buffers hold these rows; this task owns key/value
                     // head (b, kv_head) and the query heads of its group.
-                    unsafe {
-                        // P = exp(scale · Q Kᵀ + bias - lse)
-                        gemm(
-                            (q_len, keys, head_dim),
-                            MatrixMut::from_slice(probabilities, keys),
-                            false,
-                            block_q,
-                            head_k.transposed(),
-                            sizes.scale,
-                        );
-                    }
-                    for row in 0..q_len {
-                        let query_index = q_start + row;
-                        let row_p = &mut probabilities[row * keys..][..keys];
-                        if let Some(bias) = &bias {
-                            bias.add_row(row_p, b, h, query_index);
-                        }
-                        row_p[sizes.visible_keys(query_index)..].fill(f32::NEG_INFINITY);
-                        crate::simd::exp_shifted(row_p, head_lse(query_index));
-                    }
                     // SAFETY: as above.
                     unsafe {
                         // dV += Pᵀ dO
