@@ -282,30 +282,34 @@ impl MatrixMut {
     }
 }
 
-/// The additive mask of one call: `bias` plus `-inf` where `forbid`, broadcastable to
-/// `[batch, n_heads, seq_q, seq_k]`, with the element strides that broadcast it (0 on an axis
-/// of size 1).
-struct Bias<B: CpuStorage> {
-    tensor: FloatTensor<B>,
+/// The additive mask of one call, `bias` plus `-inf` where `forbid`, broadcastable to
+/// `[batch, n_heads, seq_q, seq_k]`, in a layout [`BiasView`] reads; `None` without either.
+fn combined_bias<B: CpuStorage>(inputs: &FlashInputs<B>) -> Option<FloatTensor<B>> {
+    let forbid = inputs.forbid.clone().map(|forbid| {
+        let shape = forbid.shape();
+        let zeros = B::float_zeros(shape, &inputs.query.device(), DType::F32.into());
+        B::float_mask_fill(zeros, forbid, f32::NEG_INFINITY.into())
+    });
+    let tensor = match (inputs.bias.clone(), forbid) {
+        (None, None) => return None,
+        (Some(bias), None) => bias,
+        (None, Some(forbid)) => forbid,
+        (Some(bias), Some(forbid)) => B::float_add(bias, forbid),
+    };
+    Some(B::readable(&tensor).expect("an f32 bias (checked by `readable_inputs`)"))
+}
+
+/// A [`combined_bias`] read in place, with the element strides that broadcast it (0 on an
+/// axis of size 1).
+struct BiasView<'a> {
+    values: &'a [f32],
     strides: [usize; 4],
 }
 
-impl<B: CpuStorage> Bias<B> {
-    fn of(inputs: &FlashInputs<B>) -> Option<Self> {
-        let forbid = inputs.forbid.clone().map(|forbid| {
-            let shape = forbid.shape();
-            let zeros = B::float_zeros(shape, &inputs.query.device(), DType::F32.into());
-            B::float_mask_fill(zeros, forbid, f32::NEG_INFINITY.into())
-        });
-        let tensor = match (inputs.bias.clone(), forbid) {
-            (None, None) => return None,
-            (Some(bias), None) => bias,
-            (None, Some(forbid)) => forbid,
-            (Some(bias), Some(forbid)) => B::float_add(bias, forbid),
-        };
-        let tensor = B::readable(&tensor)?;
-        let shape = tensor.shape();
-        let (_, read_strides) = B::strided(&tensor)?;
+impl<'a> BiasView<'a> {
+    fn of<B: CpuStorage>(readable: &'a FloatTensor<B>) -> Self {
+        let shape = readable.shape();
+        let (values, read_strides) = B::strided(readable).expect("made readable");
         // A broadcast axis is read with stride 0, whatever its stored stride.
         let strides = [0, 1, 2, 3].map(|axis| {
             if shape[axis] == 1 {
@@ -314,12 +318,12 @@ impl<B: CpuStorage> Bias<B> {
                 read_strides[axis]
             }
         });
-        Some(Self { tensor, strides })
+        Self { values, strides }
     }
 
     /// Adds the bias row of query `query` of head `(batch, head)` to `scores`.
     fn add_row(&self, scores: &mut [f32], batch: usize, head: usize, query: usize) {
-        let (values, _) = B::strided(&self.tensor).expect("checked in `Bias::of`");
+        let values = self.values;
         let [batch_stride, head_stride, query_stride, key_stride] = self.strides;
         let start = batch * batch_stride + head * head_stride + query * query_stride;
         if key_stride == 0 {
@@ -396,10 +400,10 @@ impl Sizes {
 
 /// `scores` ← the score block of queries `q_start..q_start + q_len` of head `(b, h)` over keys
 /// `0..keys`, `[q_len, keys]`: `scale · Q Kᵀ + bias`, causal-future keys at `-inf`.
-fn score_block<B: CpuStorage>(
+fn score_block(
     scores: &mut Vec<f32>,
     sizes: &Sizes,
-    bias: Option<&Bias<B>>,
+    bias: Option<&BiasView>,
     (b, h): (usize, usize),
     (q_start, q_len, keys): (usize, usize, usize),
     head_query: Matrix,
@@ -502,15 +506,21 @@ fn readable_inputs<B: CpuStorage>(inputs: &FlashInputs<B>) -> Option<[FloatTenso
     ])
 }
 
+/// Views of readable tensors.
+fn views<B: CpuStorage, const N: usize>(readable: &[FloatTensor<B>; N]) -> Option<[View<'_>; N]> {
+    let views = readable.each_ref().map(View::of::<B>);
+    views
+        .iter()
+        .all(Option::is_some)
+        .then(|| views.map(|view| view.expect("checked")))
+}
+
 pub(crate) fn forward<B: CpuStorage>(inputs: &FlashInputs<B>) -> Option<FlashForward<B>> {
-    let [query, key, value] = readable_inputs(inputs)?;
-    let (query, key, value) = (
-        View::of::<B>(&query)?,
-        View::of::<B>(&key)?,
-        View::of::<B>(&value)?,
-    );
+    let readable = readable_inputs(inputs)?;
+    let [query, key, value] = views::<B, 3>(&readable)?;
     let sizes = Sizes::of(inputs);
-    let bias = Bias::<B>::of(inputs);
+    let bias = combined_bias(inputs);
+    let bias = bias.as_ref().map(BiasView::of::<B>);
     let Sizes {
         batch,
         n_heads,
@@ -604,19 +614,16 @@ pub(crate) fn backward<B: CpuStorage>(
     output_grad: &FloatTensor<B>,
 ) -> Option<FlashGrads<B>> {
     let inputs = &state.inputs;
-    let [query, key, value] = readable_inputs(inputs)?;
-    let (query, key, value) = (
-        View::of::<B>(&query)?,
-        View::of::<B>(&key)?,
-        View::of::<B>(&value)?,
-    );
+    let readable = readable_inputs(inputs)?;
+    let [query, key, value] = views::<B, 3>(&readable)?;
     let sizes = Sizes::of(inputs);
-    let (output, output_grad) = (B::readable(&state.output)?, B::readable(output_grad)?);
-    let (output, output_grad) = (View::of::<B>(&output)?, View::of::<B>(&output_grad)?);
+    let readable_outputs = [B::readable(&state.output)?, B::readable(output_grad)?];
+    let [output, output_grad] = views::<B, 2>(&readable_outputs)?;
     let log_sum_exp = B::readable(&state.log_sum_exp)?;
     let (lse, lse_strides) = B::strided(&log_sum_exp)?;
     let [batch_stride, head_stride, row_stride, _] = lse_strides;
-    let bias = Bias::<B>::of(inputs);
+    let bias = combined_bias(inputs);
+    let bias = bias.as_ref().map(BiasView::of::<B>);
     let Sizes {
         batch,
         n_heads,
