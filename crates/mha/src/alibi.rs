@@ -1,7 +1,9 @@
 //! ALiBi (Press et al. 2022, "Train Short, Test Long"): a per-head linear penalty on the
 //! distance between query and key, added to the scores instead of position embeddings.
 
-use burn::tensor::{Device, Tensor, TensorData};
+use burn::tensor::{DType, Device, Tensor, TensorData};
+
+use crate::mask::Positions;
 
 /// The paper's head slopes: for `n` a power of two, the geometric sequence
 /// `2^(-8/n), 2^(-16/n), …, 2^(-8)`; otherwise the slopes of the nearest lower power of two
@@ -26,27 +28,29 @@ pub fn alibi_slopes(n_heads: usize) -> Vec<f64> {
 }
 
 /// The additive bias `-slope_h · |query_position - key_position|`, `[1, n_heads, seq_q, seq_k]`,
-/// for queries at `query_start..` and keys at `key_start..` (absolute positions, so that it
-/// holds under a cache).
+/// for queries and keys from `positions` on (absolute positions, so that it holds under a
+/// cache).
 pub(crate) fn alibi_bias(
     n_heads: usize,
-    query_start: usize,
+    positions: Positions,
     seq_q: usize,
-    key_start: usize,
     seq_k: usize,
-    device: &Device,
+    (device, dtype): (&Device, DType),
 ) -> Tensor<4> {
     let slopes = alibi_slopes(n_heads);
     let mut values = Vec::with_capacity(n_heads * seq_q * seq_k);
     for slope in &slopes {
         for q in 0..seq_q {
             for k in 0..seq_k {
-                let distance = (query_start + q).abs_diff(key_start + k) as f64;
-                values.push((-slope * distance) as f32);
+                let distance = (positions.query + q).abs_diff(positions.key + k) as f64;
+                values.push(-slope * distance);
             }
         }
     }
-    Tensor::from_data(TensorData::new(values, [1, n_heads, seq_q, seq_k]), device)
+    Tensor::from_data(
+        TensorData::new(values, [1, n_heads, seq_q, seq_k]),
+        (device, dtype),
+    )
 }
 
 #[cfg(test)]
@@ -67,7 +71,8 @@ mod tests {
 
     #[test]
     fn bias_penalises_distance_per_head() {
-        let bias = alibi_bias(2, 3, 1, 0, 4, &Device::flex());
+        let positions = Positions { query: 3, key: 0 };
+        let bias = alibi_bias(2, positions, 1, 4, (&Device::flex(), DType::F32));
         let values = bias.into_data().try_into_vec_as::<f32>().unwrap();
         // Head 0 slope 1/16... for 2 heads: 2^-4 and 2^-8.
         let (s0, s1) = (2f32.powi(-4), 2f32.powi(-8));

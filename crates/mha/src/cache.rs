@@ -3,7 +3,10 @@
 
 use core::fmt;
 
+use burn::module::ParamId;
 use burn::tensor::{Bool, Device, Tensor};
+
+use crate::mask::Positions;
 
 /// How many key/value positions a [`KvCache`] keeps.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -46,6 +49,13 @@ pub enum CacheError {
         /// Positions this step adds.
         new: usize,
     },
+    /// The cache holds keys and values of another attention module.
+    OtherModule {
+        /// The module that filled the cache.
+        cached: CacheOwner,
+        /// The module of this step.
+        module: CacheOwner,
+    },
 }
 
 impl fmt::Display for CacheError {
@@ -70,6 +80,11 @@ impl fmt::Display for CacheError {
                 "`key_padding_mask` has width {width}; under a KV cache it covers the new keys \
                  ({new}) or cached plus new keys ({})",
                 cached + new
+            ),
+            Self::OtherModule { cached, module } => write!(
+                f,
+                "KV cache filled by another attention module ({cached}) than this step's \
+                 ({module}); each layer needs its own cache"
             ),
         }
     }
@@ -96,13 +111,54 @@ impl core::error::Error for CacheError {}
 #[derive(Debug, Clone)]
 pub struct KvCache {
     /// `[batch, n_kv_heads, stored, head_dim]`.
-    pub(crate) key: Option<Tensor<4>>,
-    pub(crate) value: Option<Tensor<4>>,
+    key: Option<Tensor<4>>,
+    /// `[batch, n_kv_heads, stored, value_dim]`.
+    value: Option<Tensor<4>>,
     /// `[batch, stored]`, `true` = padding; `None` while no step gave a padding mask.
-    pub(crate) padding: Option<Tensor<2, Bool>>,
+    padding: Option<Tensor<2, Bool>>,
     /// Positions seen since the start (the next token's absolute position).
-    pub(crate) seen: usize,
-    pub(crate) limit: CacheLimit,
+    seen: usize,
+    limit: CacheLimit,
+    /// The module whose keys and values the cache holds, once a step stored some.
+    owner: Option<CacheOwner>,
+}
+
+/// Which attention module filled a cache: its key projection's parameter id and its head
+/// sizes. A cache is refused by any other module.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CacheOwner {
+    /// The id of the module's key projection weight.
+    pub key_weight: ParamId,
+    /// Key/value heads.
+    pub n_kv_heads: usize,
+    /// Features per key head.
+    pub head_dim: usize,
+}
+
+impl fmt::Display for CacheOwner {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "key weight {}, {} key/value heads of {} features",
+            self.key_weight, self.n_kv_heads, self.head_dim
+        )
+    }
+}
+
+/// A step a [`KvCache`] accepted but has not stored yet: [`KvCache::begin`] checks it without
+/// changing the cache, [`KvCache::append`] stores it.
+#[derive(Debug)]
+pub(crate) struct CacheStep {
+    owner: CacheOwner,
+    new: usize,
+    /// Absolute positions of the new queries and of the first key the step attends to.
+    pub positions: Positions,
+    /// Padding of the cached plus new keys, `[batch, stored + new]`.
+    pub padding: Option<Tensor<2, Bool>>,
+    /// Keys the step attends to: cached plus new.
+    pub keys: usize,
+    /// The sliding window each new query sees through, if the cache has one.
+    pub window: Option<usize>,
 }
 
 impl Default for KvCache {
@@ -132,6 +188,7 @@ impl KvCache {
             padding: None,
             seen: 0,
             limit,
+            owner: None,
         }
     }
 
@@ -155,12 +212,34 @@ impl KvCache {
         *self = Self::with_limit(self.limit);
     }
 
-    pub(crate) fn batch(&self) -> Option<usize> {
+    /// The capacity or window the cache was made with.
+    pub fn limit(&self) -> CacheLimit {
+        self.limit
+    }
+
+    fn batch(&self) -> Option<usize> {
         self.key.as_ref().map(|key| key.dims()[0])
     }
 
-    /// Refuses a step before anything changes.
-    pub(crate) fn check(&self, batch: usize, new: usize) -> Result<(), CacheError> {
+    /// Checks a step of `new` tokens of `batch` sequences by `owner`, with this step's padding
+    /// mask (`[batch, new]` or `[batch, stored + new]`), and says what it attends to. Changes
+    /// nothing: a refused step leaves the cache as it was.
+    pub(crate) fn begin(
+        &self,
+        owner: CacheOwner,
+        batch: usize,
+        new: usize,
+        padding: Option<Tensor<2, Bool>>,
+        device: &Device,
+    ) -> Result<CacheStep, CacheError> {
+        if let Some(cached) = self.owner
+            && cached != owner
+        {
+            return Err(CacheError::OtherModule {
+                cached,
+                module: owner,
+            });
+        }
         if let Some(cached) = self.batch()
             && cached != batch
         {
@@ -175,12 +254,76 @@ impl KvCache {
                 new,
             });
         }
-        Ok(())
+        let stored = self.stored();
+        Ok(CacheStep {
+            owner,
+            new,
+            positions: Positions {
+                query: self.seen,
+                key: self.seen - stored,
+            },
+            padding: self.padding_with(padding, batch, new, device)?,
+            keys: stored + new,
+            window: match self.limit {
+                CacheLimit::SlidingWindow(window) => Some(window),
+                _ => None,
+            },
+        })
+    }
+
+    /// Stores a step's projected keys and values (`[batch, n_kv_heads, new, head_dim]`) and
+    /// returns the cached plus new ones the step attends to. Then evicts what a sliding window
+    /// no longer needs: the `window - 1` latest positions are kept for the next token.
+    ///
+    /// # Panics
+    ///
+    /// If the keys are not `step`'s new tokens.
+    pub(crate) fn append(
+        &mut self,
+        step: CacheStep,
+        key: Tensor<4>,
+        value: Tensor<4>,
+    ) -> (Tensor<4>, Tensor<4>) {
+        let [_, n_kv_heads, new, head_dim] = key.dims();
+        assert!(
+            new == step.new
+                && n_kv_heads == step.owner.n_kv_heads
+                && head_dim == step.owner.head_dim,
+            "KvCache: appended keys {:?} are not the step's {} new tokens of {}",
+            key.dims(),
+            step.new,
+            step.owner
+        );
+        let (key, value) = match (self.key.take(), self.value.take()) {
+            (Some(past_key), Some(past_value)) => (
+                Tensor::cat(vec![past_key, key], 2),
+                Tensor::cat(vec![past_value, value], 2),
+            ),
+            _ => (key, value),
+        };
+        self.seen += step.new;
+        self.owner = Some(step.owner);
+        let (mut kept_key, mut kept_value, mut kept_padding) =
+            (key.clone(), value.clone(), step.padding);
+        if let CacheLimit::SlidingWindow(window) = self.limit {
+            let stored = key.dims()[2];
+            let keep = (window - 1).min(stored);
+            let drop = stored - keep;
+            if drop > 0 {
+                kept_key = kept_key.narrow(2, drop, keep);
+                kept_value = kept_value.narrow(2, drop, keep);
+                kept_padding = kept_padding.map(|p| p.narrow(1, drop, keep));
+            }
+        }
+        self.key = Some(kept_key);
+        self.value = Some(kept_value);
+        self.padding = kept_padding;
+        (key, value)
     }
 
     /// The padding of stored plus new keys, given this step's mask (`[batch, new]` or
     /// `[batch, stored + new]`).
-    pub(crate) fn padding_with(
+    fn padding_with(
         &self,
         mask: Option<Tensor<2, Bool>>,
         batch: usize,
@@ -211,32 +354,6 @@ impl KvCache {
             })
         }
     }
-
-    /// Stores the new keys/values (and padding), evicting what a sliding window no longer
-    /// needs: the `window - 1` latest positions are kept for the next token.
-    pub(crate) fn store(
-        &mut self,
-        key: Tensor<4>,
-        value: Tensor<4>,
-        padding: Option<Tensor<2, Bool>>,
-        new: usize,
-    ) {
-        self.seen += new;
-        let (mut key, mut value, mut padding) = (key, value, padding);
-        if let CacheLimit::SlidingWindow(window) = self.limit {
-            let stored = key.dims()[2];
-            let keep = (window - 1).min(stored);
-            let drop = stored - keep;
-            if drop > 0 {
-                key = key.narrow(2, drop, keep);
-                value = value.narrow(2, drop, keep);
-                padding = padding.map(|p| p.narrow(1, drop, keep));
-            }
-        }
-        self.key = Some(key);
-        self.value = Some(value);
-        self.padding = padding;
-    }
 }
 
 /// Keys and values of a fixed memory (an encoder's output), projected once and reused by a
@@ -250,11 +367,42 @@ pub struct CrossAttentionCache {
     /// The memory's own length (before `add_bias_kv`/`add_zero_attn` positions).
     pub(crate) seq_k: usize,
     pub(crate) key_padding_mask: Option<Tensor<2, Bool>>,
+    /// The module that projected the memory.
+    pub(crate) owner: CacheOwner,
 }
 
 impl CrossAttentionCache {
+    /// The memory's batch size.
+    pub fn batch(&self) -> usize {
+        self.key.dims()[0]
+    }
+
+    /// The memory's length (without the positions `add_bias_kv`/`add_zero_attn` append).
+    pub fn len(&self) -> usize {
+        self.seq_k
+    }
+
+    /// Whether the memory is empty (never: the module refuses an empty memory).
+    pub fn is_empty(&self) -> bool {
+        self.seq_k == 0
+    }
+
+    /// The module that projected the memory.
+    pub fn owner(&self) -> CacheOwner {
+        self.owner
+    }
+
     /// Ignores memory positions (`[batch, seq_k]`, `true` = padding) at every step.
+    ///
+    /// # Panics
+    ///
+    /// If the mask is not `[batch, seq_k]` of the memory.
     pub fn with_key_padding_mask(mut self, mask: Tensor<2, Bool>) -> Self {
+        crate::shape::check_shape(
+            "key_padding_mask",
+            mask.dims(),
+            [("batch", Some(self.batch())), ("seq_k", Some(self.seq_k))],
+        );
         self.key_padding_mask = Some(mask);
         self
     }

@@ -23,9 +23,9 @@ pub enum AttentionInitializer {
     /// - every projection bias: zero.
     /// - `bias_k`/`bias_v` (with `add_bias_kv`): Xavier-normal, `N(0, 1/d_kv)`.
     PyTorch,
-    /// One Burn [`Initializer`] for every projection, weights and biases, as Burn's
-    /// `LinearConfig` applies it; `bias_k`/`bias_v` use it too.
-    Uniform(Initializer),
+    /// One Burn [`Initializer`] for every parameter: the projections' weights and biases, as
+    /// Burn's `LinearConfig` applies it, and `bias_k`/`bias_v`.
+    Custom(Initializer),
 }
 
 /// Configuration to create a [`MultiHeadAttention`] layer using the
@@ -215,7 +215,7 @@ impl MultiHeadAttentionConfig {
                     device,
                 )
             }
-            AttentionInitializer::Uniform(initializer) => LinearConfig::new(d_input, d_output)
+            AttentionInitializer::Custom(initializer) => LinearConfig::new(d_input, d_output)
                 .with_bias(self.bias)
                 .with_initializer(initializer.clone())
                 .init(device),
@@ -233,7 +233,7 @@ impl MultiHeadAttentionConfig {
                 self.bias,
                 device,
             ),
-            AttentionInitializer::Uniform(initializer) => {
+            AttentionInitializer::Custom(initializer) => {
                 LinearConfig::new(self.d_model, self.d_model)
                     .with_bias(self.bias)
                     .with_initializer(initializer.clone())
@@ -243,7 +243,7 @@ impl MultiHeadAttentionConfig {
         let kv_bias = || {
             let initializer = match &self.initializer {
                 AttentionInitializer::PyTorch => Initializer::XavierNormal { gain: 1.0 },
-                AttentionInitializer::Uniform(initializer) => initializer.clone(),
+                AttentionInitializer::Custom(initializer) => initializer.clone(),
             };
             initializer.init_with([d_kv], Some(d_kv), Some(d_kv), device)
         };
@@ -263,7 +263,7 @@ impl MultiHeadAttentionConfig {
             d_key_input: sizes.d_key_input,
             d_value_input: sizes.d_value_input,
             scale: self.scale.unwrap_or(1.0 / (sizes.head_dim as f64).sqrt()),
-            default_scale: self.scale.is_none(),
+            custom_scale: self.scale.is_some(),
             add_zero_attn: self.add_zero_attn,
             quiet_softmax: self.quiet_softmax,
             rope: self.rope.clone(),

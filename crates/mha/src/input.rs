@@ -2,14 +2,14 @@
 
 use burn::tensor::{Bool, Tensor};
 
-use crate::kernel::ChunkSizes;
-
-/// Which attention weights a forward returns.
+/// Which attention weights a forward returns (PyTorch's `need_weights` and
+/// `average_attn_weights`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum NeedWeights {
-    /// No weights (the default): the forward can use Burn's fused attention kernel.
+    /// No weights (the default, unlike PyTorch's): the forward may use a kernel that never
+    /// materialises them.
     #[default]
-    None,
+    No,
     /// Weights per head, `[batch, n_heads, seq_q, seq_k]`.
     PerHead,
     /// Weights averaged over heads, `[batch, seq_q, seq_k]` (PyTorch's
@@ -17,34 +17,70 @@ pub enum NeedWeights {
     Averaged,
 }
 
-/// Which implementation computes `softmax(q kᵀ · scale + bias) v`.
+/// Which implementation computes `softmax(q kᵀ · scale + bias) v`. Every path computes the same
+/// numbers (to float rounding); they differ in speed, memory and what else they can do.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum AttentionPath {
-    /// Let the module choose (the default). When the weights are requested, dropout is active
-    /// or the softmax is quiet: the explicit path. Otherwise the flash kernel where
-    /// [`flash_attention_supported`](crate::flash_attention_supported) (flex and ndarray, with
-    /// this crate's features of those names) and no float mask needs a gradient. Elsewhere: on
-    /// an autodiff device the explicit path; without autodiff the fused kernel, or above
-    /// [`CHUNKED_THRESHOLD`](crate::CHUNKED_THRESHOLD) score elements on a backend other than
-    /// flex (whose fused kernel is tiled already) the chunked path.
+    /// Let the module choose (the default), in this order:
+    ///
+    /// 1. **Explicit** when the weights are requested, dropout is active (training mode on an
+    ///    autodiff device) or the softmax is quiet: only the explicit path can do those.
+    /// 2. **Flash** where [`flash_attention_supported`](crate::flash_attention_supported) (flex
+    ///    and ndarray, with this crate's features of those names), for inference and training,
+    ///    unless a float attention mask requires a gradient (the flash op treats masks as
+    ///    constants). It is the fastest path at every size measured there and keeps training
+    ///    memory `O(seq)`.
+    /// 3. Elsewhere, on an autodiff device: **Explicit** (Burn's autodiff runs its fused op as a
+    ///    decomposed fallback that is slower than the explicit path).
+    /// 4. Elsewhere, for inference: **Chunked** above
+    ///    [`CHUNKED_THRESHOLD`](crate::CHUNKED_THRESHOLD) score elements on a backend other than
+    ///    flex (whose fused op is tiled already), else **Fused**.
     #[default]
     Auto,
     /// Burn's fused `burn::tensor::module::attention` (flash kernels on flex and CubeCL
     /// backends). Cannot return weights, apply dropout or a quiet softmax.
     Fused,
     /// Scores, softmax and weighted sum as separate tensor operations; materialises the
-    /// `[batch, n_heads, seq_q, seq_k]` weights.
+    /// `[batch, n_heads, seq_q, seq_k]` weights. Can do everything, and is the reference the
+    /// other paths are tested against.
     Explicit,
-    /// Query blocks × key blocks with an online softmax: never holds more than one block of
-    /// scores, so inference memory stays bounded at any length. Cannot return weights, apply
+    /// Query blocks × key blocks with an online softmax, in ordinary tensor operations: never
+    /// holds more than one block of scores, so inference memory stays bounded at any length
+    /// (under autodiff every block is kept for the backward pass). Cannot return weights, apply
     /// dropout or a quiet softmax.
-    Chunked(ChunkSizes),
-    /// The chunked computation as one autodiff op whose backward recomputes each score block
-    /// from the saved log-sum-exp (FlashAttention-2): training memory stays `O(seq)` too.
-    /// Runs on the backends [`flash_attention_supported`](crate::flash_attention_supported)
-    /// accepts; a float attention mask gets no gradient through it. Cannot return weights,
-    /// apply dropout or a quiet softmax.
-    Flash(ChunkSizes),
+    Chunked(BlockSizes),
+    /// The blocked computation as one autodiff op whose backward recomputes each score block
+    /// from the saved log-sum-exp (FlashAttention-2): training memory stays `O(seq)` too. Runs
+    /// on the backends [`flash_attention_supported`](crate::flash_attention_supported) accepts;
+    /// a float attention mask gets no gradient through it. Cannot return weights, apply dropout
+    /// or a quiet softmax. See [`BlockSizes`] for how its native CPU kernel reads the sizes.
+    Flash(BlockSizes),
+}
+
+/// Query and key block sizes of [`AttentionPath::Chunked`] and [`AttentionPath::Flash`].
+///
+/// The chunked path and the flash op's generic body (backends without a native kernel, and
+/// dtypes other than f32) honour both. The native f32 kernel of flex and ndarray honours
+/// `query` (rows per block) and takes every visible key of a query block in one pass, since
+/// it holds one `query × seq_k` score block per thread rather than the whole score matrix;
+/// `key` does not change its result or its speed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockSizes {
+    /// Queries per block. Must be positive.
+    pub query: usize,
+    /// Keys per block. Must be positive.
+    pub key: usize,
+}
+
+impl Default for BlockSizes {
+    /// 128 queries × 1024 keys, what `Auto` gives the flash op: on the native kernel 64, 128 and
+    /// 256 query rows measured within noise of each other (`cargo bench --workspace --bench table`).
+    fn default() -> Self {
+        Self {
+            query: 128,
+            key: 1024,
+        }
+    }
 }
 
 /// A caller's attention mask in rank-4 form, with the rank it was given in.
@@ -84,13 +120,15 @@ pub trait IntoAttnMask {
     fn into_attn_mask(self) -> AttnMask;
 }
 
+/// The rank-4 shape of a mask of rank `D` (missing leading axes of size 1).
+#[track_caller]
 fn rank4_dims<const D: usize>(dims: [usize; D]) -> [usize; 4] {
     match D {
         2 => [1, 1, dims[0], dims[1]],
         3 => [dims[0], 1, dims[1], dims[2]],
         4 => [dims[0], dims[1], dims[2], dims[3]],
         _ => panic!(
-            "`attn_mask` must have rank 2 [seq_q, seq_k], 3 [batch, seq_q, seq_k] or 4 \
+            "MultiHeadAttention: `attn_mask` must have rank 2 [seq_q, seq_k], 3 [batch, seq_q, seq_k] or 4 \
              [batch, n_heads, seq_q, seq_k], got rank {D} with shape {dims:?}"
         ),
     }
@@ -99,9 +137,15 @@ fn rank4_dims<const D: usize>(dims: [usize; D]) -> [usize; 4] {
 impl<const D: usize> IntoAttnMask for Tensor<D, Bool> {
     fn into_attn_mask(self) -> AttnMask {
         let dims = rank4_dims(self.dims());
+        let values = match dims.contains(&0) {
+            // No values to keep; Burn's `reshape` (and `unsqueeze`, built on it) reads a 0 in
+            // the target shape as "keep this axis", which an empty axis would misplace.
+            true => Tensor::zeros(dims, &self.device()),
+            false => self.reshape(dims),
+        };
         AttnMask {
             rank: D,
-            values: MaskValues::Bool(self.reshape(dims)),
+            values: MaskValues::Bool(values),
         }
     }
 }
@@ -109,9 +153,13 @@ impl<const D: usize> IntoAttnMask for Tensor<D, Bool> {
 impl<const D: usize> IntoAttnMask for Tensor<D> {
     fn into_attn_mask(self) -> AttnMask {
         let dims = rank4_dims(self.dims());
+        let values = match dims.contains(&0) {
+            true => Tensor::zeros(dims, &self.device()),
+            false => self.reshape(dims),
+        };
         AttnMask {
             rank: D,
-            values: MaskValues::Float(self.reshape(dims)),
+            values: MaskValues::Float(values),
         }
     }
 }
@@ -166,7 +214,7 @@ impl MhaInput {
             key_padding_mask: None,
             attn_mask: None,
             causal: false,
-            need_weights: NeedWeights::None,
+            need_weights: NeedWeights::No,
             path: AttentionPath::Auto,
         }
     }
@@ -195,7 +243,7 @@ impl MhaInput {
         self
     }
 
-    /// Which attention weights to return. Default: [`NeedWeights::None`].
+    /// Which attention weights to return. Default: [`NeedWeights::No`].
     pub fn need_weights(mut self, need_weights: NeedWeights) -> Self {
         self.need_weights = need_weights;
         self

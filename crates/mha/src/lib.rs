@@ -41,35 +41,35 @@
 //! ```
 
 #![warn(missing_docs)]
+#![deny(clippy::undocumented_unsafe_blocks)]
 
 mod alibi;
 mod cache;
 mod config;
+mod decoding;
+mod dispatch;
 // Names burn-ndarray's deprecated backend type, supported while Burn ships it.
 #[allow(deprecated)]
 mod flash;
-#[cfg(any(feature = "flex", feature = "ndarray"))]
-#[allow(deprecated)] // burn-ndarray, as above
-mod flash_cpu;
+mod geometry;
 mod input;
 mod kernel;
 mod mask;
 mod module;
 mod rotary;
 mod shape;
-#[cfg(any(feature = "flex", feature = "ndarray"))]
-mod simd;
 
 pub use alibi::alibi_slopes;
-pub use cache::{CacheError, CacheLimit, CrossAttentionCache, KvCache};
+pub use cache::{CacheError, CacheLimit, CacheOwner, CrossAttentionCache, KvCache};
 pub use config::{AttentionInitializer, ConfigError, MultiHeadAttentionConfig};
+pub use dispatch::CHUNKED_THRESHOLD;
 pub use flash::flash_attention_supported;
 pub use input::{
-    AttentionPath, AttentionWeights, AttnMask, IntoAttnMask, MhaInput, MhaOutput, NeedWeights,
+    AttentionPath, AttentionWeights, AttnMask, BlockSizes, IntoAttnMask, MhaInput, MhaOutput,
+    NeedWeights,
 };
-pub use kernel::ChunkSizes;
 pub use mask::causal_mask;
-pub use module::{CHUNKED_THRESHOLD, MultiHeadAttention};
+pub use module::MultiHeadAttention;
 pub use rotary::{RopeConfig, RopeLayout};
 
 #[cfg(feature = "pytorch")]

@@ -70,6 +70,13 @@ pub enum PytorchError {
         /// What went wrong.
         message: String,
     },
+    /// The file could not be written.
+    Unwritable {
+        /// The file.
+        file: PathBuf,
+        /// What went wrong.
+        message: String,
+    },
     /// A key the module needs is absent.
     MissingKey {
         /// The file.
@@ -103,6 +110,22 @@ pub enum PytorchError {
         /// The rule broken.
         error: ConfigError,
     },
+    /// A tensor the module needs has no float type (PyTorch weights are f32, f64, f16 or bf16).
+    Dtype {
+        /// The file.
+        file: PathBuf,
+        /// The full key, prefix included.
+        key: String,
+        /// The tensor's type.
+        dtype: String,
+    },
+    /// A tensor the module needs holds NaN or an infinity.
+    NonFinite {
+        /// The file.
+        file: PathBuf,
+        /// The full key, prefix included.
+        key: String,
+    },
     /// The module has no PyTorch equivalent (grouped-query attention, say).
     Unsupported {
         /// The file.
@@ -117,6 +140,9 @@ impl fmt::Display for PytorchError {
         match self {
             Self::Unreadable { file, message } => {
                 write!(f, "{}: cannot read: {message}", file.display())
+            }
+            Self::Unwritable { file, message } => {
+                write!(f, "{}: cannot write: {message}", file.display())
             }
             Self::MissingKey { file, key } => {
                 write!(f, "{}: missing key `{key}`", file.display())
@@ -137,6 +163,16 @@ impl fmt::Display for PytorchError {
                 file.display()
             ),
             Self::Config { file, error } => write!(f, "{}: {error}", file.display()),
+            Self::Dtype { file, key, dtype } => write!(
+                f,
+                "{}: `{key}` has dtype {dtype}, expected a float type (f32, f64, f16 or bf16)",
+                file.display()
+            ),
+            Self::NonFinite { file, key } => write!(
+                f,
+                "{}: `{key}` holds NaN or infinite values",
+                file.display()
+            ),
             Self::Unsupported { file, message } => write!(f, "{}: {message}", file.display()),
         }
     }
@@ -144,11 +180,59 @@ impl fmt::Display for PytorchError {
 
 impl core::error::Error for PytorchError {}
 
-/// A tensor read from a file: shape and row-major f32 values.
+/// A tensor read from a file: shape and row-major f32 values (converted from f16, bf16 or f64),
+/// or the name of a non-float dtype, which is an error only if the module needs the tensor.
 #[derive(Debug, Clone, PartialEq)]
 struct RawTensor {
     shape: Vec<usize>,
     values: Vec<f32>,
+    /// The dtype when it is not a float type; `values` is then empty.
+    non_float: Option<String>,
+}
+
+impl RawTensor {
+    fn float(shape: Vec<usize>, values: Vec<f32>) -> Self {
+        Self {
+            shape,
+            values,
+            non_float: None,
+        }
+    }
+
+    /// A tensor of the file, converted to f32, or its dtype's name if it has no float type;
+    /// refuses a byte count that does not fit the shape.
+    fn read(key: &str, shape: Vec<usize>, dtype: FileDType, bytes: &[u8]) -> Result<Self, String> {
+        let values = match dtype {
+            FileDType::F32 => floats(bytes, f32::from_le_bytes),
+            FileDType::F64 => floats(bytes, |b: [u8; 8]| f64::from_le_bytes(b) as f32),
+            FileDType::F16 => floats(bytes, |b: [u8; 2]| f16::from_le_bytes(b).to_f32()),
+            FileDType::BF16 => floats(bytes, |b: [u8; 2]| bf16::from_le_bytes(b).to_f32()),
+            FileDType::Other(name) => {
+                return Ok(Self {
+                    shape,
+                    values: Vec::new(),
+                    non_float: Some(name),
+                });
+            }
+        };
+        let elements: usize = shape.iter().product();
+        if values.len() != elements {
+            return Err(format!(
+                "`{key}` holds {} values for shape {shape:?} ({elements} elements)",
+                values.len()
+            ));
+        }
+        Ok(Self::float(shape, values))
+    }
+}
+
+/// The dtypes the readers tell apart.
+enum FileDType {
+    F32,
+    F64,
+    F16,
+    BF16,
+    Other(String),
 }
 
 /// Every key an `nn.MultiheadAttention` state dict can hold, relative to the module.
@@ -237,13 +321,29 @@ impl ModuleState {
         format!("{}{key}", self.prefix)
     }
 
+    /// The tensor under `key`, refused unless it is a float tensor of finite values.
     fn take(&mut self, key: &str) -> Result<RawTensor, PytorchError> {
-        self.tensors
+        let tensor = self
+            .tensors
             .remove(key)
             .ok_or_else(|| PytorchError::MissingKey {
                 file: self.file.clone(),
                 key: self.full_key(key),
-            })
+            })?;
+        if let Some(dtype) = tensor.non_float {
+            return Err(PytorchError::Dtype {
+                file: self.file.clone(),
+                key: self.full_key(key),
+                dtype,
+            });
+        }
+        if !tensor.values.iter().all(|value| value.is_finite()) {
+            return Err(PytorchError::NonFinite {
+                file: self.file.clone(),
+                key: self.full_key(key),
+            });
+        }
+        Ok(tensor)
     }
 
     fn expect_shape(
@@ -272,69 +372,16 @@ impl ModuleState {
         let out_weight = self.take("out_proj.weight")?;
         let embed_dim = out_weight.shape.first().copied().unwrap_or(0);
         self.expect_shape("out_proj.weight", &out_weight, &[embed_dim, embed_dim])?;
-
-        let packed = self.tensors.contains_key("in_proj_weight");
-        let (q_weight, k_weight, v_weight) = if packed {
-            for separate in ["q_proj_weight", "k_proj_weight", "v_proj_weight"] {
-                if self.tensors.contains_key(separate) {
-                    return Err(PytorchError::UnexpectedKey {
-                        file: self.file.clone(),
-                        key: self.full_key(separate),
-                    });
-                }
-            }
-            let in_proj = self.take("in_proj_weight")?;
-            self.expect_shape("in_proj_weight", &in_proj, &[3 * embed_dim, embed_dim])?;
-            let [q, k, v] = split_rows::<3>(in_proj);
-            (q, k, v)
-        } else {
-            let q = self.take("q_proj_weight")?;
-            self.expect_shape("q_proj_weight", &q, &[embed_dim, embed_dim])?;
-            let k = self.take("k_proj_weight")?;
-            let kdim = k.shape.get(1).copied().unwrap_or(0);
-            self.expect_shape("k_proj_weight", &k, &[embed_dim, kdim])?;
-            let v = self.take("v_proj_weight")?;
-            let vdim = v.shape.get(1).copied().unwrap_or(0);
-            self.expect_shape("v_proj_weight", &v, &[embed_dim, vdim])?;
-            (q, k, v)
-        };
+        let [q_weight, k_weight, v_weight] = self.take_input_weights(embed_dim)?;
         let (d_key_input, d_value_input) = (k_weight.shape[1], v_weight.shape[1]);
-
-        let bias = self.tensors.contains_key("in_proj_bias");
-        let (in_bias, out_bias) = if bias {
-            let in_bias = self.take("in_proj_bias")?;
-            self.expect_shape("in_proj_bias", &in_bias, &[3 * embed_dim])?;
-            let out_bias = self.take("out_proj.bias")?;
-            self.expect_shape("out_proj.bias", &out_bias, &[embed_dim])?;
-            (Some(split_rows::<3>(in_bias)), Some(out_bias))
-        } else {
-            if self.tensors.contains_key("out_proj.bias") {
-                // bias=False drops both biases; one without the other is not an MHA state.
-                return Err(PytorchError::MissingKey {
-                    file: self.file.clone(),
-                    key: self.full_key("in_proj_bias"),
-                });
-            }
-            (None, None)
-        };
-
-        let add_bias_kv =
-            self.tensors.contains_key("bias_k") || self.tensors.contains_key("bias_v");
-        let kv_biases = if add_bias_kv {
-            let bias_k = self.take("bias_k")?;
-            self.expect_shape("bias_k", &bias_k, &[1, 1, embed_dim])?;
-            let bias_v = self.take("bias_v")?;
-            self.expect_shape("bias_v", &bias_v, &[1, 1, embed_dim])?;
-            Some((bias_k, bias_v))
-        } else {
-            None
-        };
+        let biases = self.take_biases(embed_dim)?;
+        let kv_biases = self.take_kv_biases(embed_dim)?;
 
         let config = MultiHeadAttentionConfig::new(embed_dim, import.n_heads)
             .with_d_key_input(Some(d_key_input))
             .with_d_value_input(Some(d_value_input))
-            .with_bias(bias)
-            .with_add_bias_kv(add_bias_kv)
+            .with_bias(biases.is_some())
+            .with_add_bias_kv(kv_biases.is_some())
             .with_add_zero_attn(import.add_zero_attn);
         let mut module = config
             .try_init(device)
@@ -347,7 +394,7 @@ impl ModuleState {
         module.key.weight = Param::from_tensor(linear_weight(k_weight, device));
         module.value.weight = Param::from_tensor(linear_weight(v_weight, device));
         module.output.weight = Param::from_tensor(linear_weight(out_weight, device));
-        if let (Some([q, k, v]), Some(out)) = (in_bias, out_bias) {
+        if let Some(([q, k, v], out)) = biases {
             module.query.bias = Some(Param::from_tensor(vector(q, device)));
             module.key.bias = Some(Param::from_tensor(vector(k, device)));
             module.value.bias = Some(Param::from_tensor(vector(v, device)));
@@ -359,6 +406,71 @@ impl ModuleState {
         }
         Ok((config, module))
     }
+
+    /// The query, key and value projection weights (PyTorch's `[out, in]`), packed or not.
+    fn take_input_weights(&mut self, embed_dim: usize) -> Result<[RawTensor; 3], PytorchError> {
+        if self.tensors.contains_key("in_proj_weight") {
+            for separate in ["q_proj_weight", "k_proj_weight", "v_proj_weight"] {
+                if self.tensors.contains_key(separate) {
+                    return Err(PytorchError::UnexpectedKey {
+                        file: self.file.clone(),
+                        key: self.full_key(separate),
+                    });
+                }
+            }
+            let in_proj = self.take("in_proj_weight")?;
+            self.expect_shape("in_proj_weight", &in_proj, &[3 * embed_dim, embed_dim])?;
+            return Ok(split_rows::<3>(in_proj));
+        }
+        let q = self.take("q_proj_weight")?;
+        self.expect_shape("q_proj_weight", &q, &[embed_dim, embed_dim])?;
+        let k = self.take("k_proj_weight")?;
+        let kdim = k.shape.get(1).copied().unwrap_or(0);
+        self.expect_shape("k_proj_weight", &k, &[embed_dim, kdim])?;
+        let v = self.take("v_proj_weight")?;
+        let vdim = v.shape.get(1).copied().unwrap_or(0);
+        self.expect_shape("v_proj_weight", &v, &[embed_dim, vdim])?;
+        Ok([q, k, v])
+    }
+
+    /// The q, k, v and output biases (`bias=True`), or `None` (`bias=False`, which drops all
+    /// four).
+    #[allow(clippy::type_complexity)] // one use, named by its doc
+    fn take_biases(
+        &mut self,
+        embed_dim: usize,
+    ) -> Result<Option<([RawTensor; 3], RawTensor)>, PytorchError> {
+        if !self.tensors.contains_key("in_proj_bias") {
+            if self.tensors.contains_key("out_proj.bias") {
+                // bias=False drops both biases; one without the other is not an MHA state.
+                return Err(PytorchError::MissingKey {
+                    file: self.file.clone(),
+                    key: self.full_key("in_proj_bias"),
+                });
+            }
+            return Ok(None);
+        }
+        let in_bias = self.take("in_proj_bias")?;
+        self.expect_shape("in_proj_bias", &in_bias, &[3 * embed_dim])?;
+        let out_bias = self.take("out_proj.bias")?;
+        self.expect_shape("out_proj.bias", &out_bias, &[embed_dim])?;
+        Ok(Some((split_rows::<3>(in_bias), out_bias)))
+    }
+
+    /// `bias_k` and `bias_v` (`add_bias_kv=True`), or `None`.
+    fn take_kv_biases(
+        &mut self,
+        embed_dim: usize,
+    ) -> Result<Option<(RawTensor, RawTensor)>, PytorchError> {
+        if !self.tensors.contains_key("bias_k") && !self.tensors.contains_key("bias_v") {
+            return Ok(None);
+        }
+        let bias_k = self.take("bias_k")?;
+        self.expect_shape("bias_k", &bias_k, &[1, 1, embed_dim])?;
+        let bias_v = self.take("bias_v")?;
+        self.expect_shape("bias_v", &bias_v, &[1, 1, embed_dim])?;
+        Ok(Some((bias_k, bias_v)))
+    }
 }
 
 /// Splits `[parts · n, ...]` into `parts` tensors of `[n, ...]`.
@@ -367,9 +479,11 @@ fn split_rows<const PARTS: usize>(tensor: RawTensor) -> [RawTensor; PARTS] {
     let mut shape = tensor.shape.clone();
     shape[0] = rows;
     let chunk = tensor.values.len() / PARTS;
-    core::array::from_fn(|part| RawTensor {
-        shape: shape.clone(),
-        values: tensor.values[part * chunk..(part + 1) * chunk].to_vec(),
+    core::array::from_fn(|part| {
+        RawTensor::float(
+            shape.clone(),
+            tensor.values[part * chunk..(part + 1) * chunk].to_vec(),
+        )
     })
 }
 
@@ -384,6 +498,10 @@ fn vector(tensor: RawTensor, device: &Device) -> Tensor<1> {
 }
 
 /// Every tensor of a `.safetensors`, `.pt` or `.pth` file, as f32.
+///
+/// A file the readers cannot parse, a truncated or corrupt one included, is an error naming
+/// it. A reader that panicked on such a file would be caught and reported the same way (none
+/// did on the damaged files of the tests: cuts and flipped bytes of `.pt` and `.safetensors`).
 fn read_tensors(file: &Path) -> Result<HashMap<String, RawTensor>, PytorchError> {
     let unreadable = |message: String| PytorchError::Unreadable {
         file: file.to_path_buf(),
@@ -392,10 +510,20 @@ fn read_tensors(file: &Path) -> Result<HashMap<String, RawTensor>, PytorchError>
     let is_safetensors = file
         .extension()
         .is_some_and(|extension| extension == "safetensors");
-    if is_safetensors {
-        read_safetensors(file).map_err(unreadable)
-    } else {
-        read_pytorch(file).map_err(unreadable)
+    let read = || match is_safetensors {
+        true => read_safetensors(file),
+        false => read_pytorch(file),
+    };
+    match std::panic::catch_unwind(read) {
+        Ok(tensors) => tensors.map_err(unreadable),
+        Err(payload) => {
+            let reason = payload
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_default();
+            Err(unreadable(format!("corrupt file ({reason})")))
+        }
     }
 }
 
@@ -404,23 +532,22 @@ fn read_pytorch(file: &Path) -> Result<HashMap<String, RawTensor>, String> {
     let reader = PytorchReader::new(file).map_err(|error| error.to_string())?;
     let mut tensors = HashMap::new();
     for (key, tensor) in reader.into_tensors() {
-        let bytes = tensor.read().map_err(|error| format!("`{key}`: {error}"))?;
-        let values = match tensor.dtype() {
-            DType::F32 => floats(&bytes, f32::from_le_bytes),
-            DType::F64 => floats(&bytes, |b: [u8; 8]| f64::from_le_bytes(b) as f32),
-            DType::F16 => floats(&bytes, |b: [u8; 2]| f16::from_le_bytes(b).to_f32()),
-            DType::BF16 => floats(&bytes, |b: [u8; 2]| bf16::from_le_bytes(b).to_f32()),
-            // Integer buffers (e.g. a `num_batches_tracked` next to the module) are not
-            // attention weights; keep their shape so an unexpected key is still reported.
-            _ => vec![0.0; tensor.num_elements()],
+        let shape = tensor.shape().to_vec();
+        let dtype = match tensor.dtype() {
+            DType::F32 => FileDType::F32,
+            DType::F64 => FileDType::F64,
+            DType::F16 => FileDType::F16,
+            DType::BF16 => FileDType::BF16,
+            // Integer buffers (a `num_batches_tracked` next to the module, say) are read only
+            // if the module needs them, which refuses them.
+            other => FileDType::Other(format!("{other:?}")),
         };
-        tensors.insert(
-            key,
-            RawTensor {
-                shape: tensor.shape().to_vec(),
-                values,
-            },
-        );
+        let bytes = match dtype {
+            FileDType::Other(_) => Vec::new(),
+            _ => tensor.read().map_err(|error| format!("`{key}`: {error}"))?,
+        };
+        let raw = RawTensor::read(&key, shape, dtype, &bytes)?;
+        tensors.insert(key, raw);
     }
     Ok(tensors)
 }
@@ -430,25 +557,15 @@ fn read_safetensors(file: &Path) -> Result<HashMap<String, RawTensor>, String> {
     let archive = SafeTensors::deserialize(&bytes).map_err(|error| error.to_string())?;
     let mut tensors = HashMap::new();
     for (key, view) in archive.tensors() {
-        let data = view.data();
-        let values = match view.dtype() {
-            Dtype::F32 => floats(data, f32::from_le_bytes),
-            Dtype::F64 => floats(data, |b: [u8; 8]| f64::from_le_bytes(b) as f32),
-            Dtype::F16 => floats(data, |b: [u8; 2]| f16::from_le_bytes(b).to_f32()),
-            Dtype::BF16 => floats(data, |b: [u8; 2]| bf16::from_le_bytes(b).to_f32()),
-            other => {
-                return Err(format!(
-                    "`{key}` has dtype {other:?}, expected a float type"
-                ));
-            }
+        let dtype = match view.dtype() {
+            Dtype::F32 => FileDType::F32,
+            Dtype::F64 => FileDType::F64,
+            Dtype::F16 => FileDType::F16,
+            Dtype::BF16 => FileDType::BF16,
+            other => FileDType::Other(format!("{other:?}")),
         };
-        tensors.insert(
-            key,
-            RawTensor {
-                shape: view.shape().to_vec(),
-                values,
-            },
-        );
+        let raw = RawTensor::read(&key, view.shape().to_vec(), dtype, view.data())?;
+        tensors.insert(key, raw);
     }
     Ok(tensors)
 }
@@ -465,72 +582,29 @@ fn floats<const N: usize>(bytes: &[u8], convert: impl Fn([u8; N]) -> f32) -> Vec
 /// add_bias_kv=…, kdim=…, vdim=…).load_state_dict(safetensors.torch.load_file(path))` takes it.
 ///
 /// Fails with [`PytorchError::Unsupported`] for a module PyTorch cannot express: grouped-query
-/// attention, a custom scale or a quiet softmax.
+/// attention, a custom scale, a quiet softmax, RoPE or ALiBi.
 pub fn save_pytorch_mha(
     module: &MultiHeadAttention,
     path: impl AsRef<Path>,
     prefix: &str,
 ) -> Result<(), PytorchError> {
     let file = path.as_ref().to_path_buf();
-    let unsupported = |message: &str| {
-        Err(PytorchError::Unsupported {
-            file: file.clone(),
-            message: format!("{message}; torch.nn.MultiheadAttention cannot express it"),
-        })
-    };
-    if module.n_kv_heads != module.n_heads {
-        return unsupported("the module uses grouped-query attention (n_kv_heads < n_heads)");
-    }
-    if !module.default_scale {
-        return unsupported("the module has a custom scale");
-    }
-    if module.quiet_softmax {
-        return unsupported("the module uses the quiet softmax");
+    if let Some(reason) = pytorch_cannot_express(module) {
+        return Err(PytorchError::Unsupported {
+            file,
+            message: format!("{reason}; torch.nn.MultiheadAttention cannot express it"),
+        });
     }
     let prefix = if prefix.is_empty() || prefix.ends_with('.') {
         prefix.to_string()
     } else {
         format!("{prefix}.")
     };
-    let mut tensors: BTreeMap<String, RawTensor> = BTreeMap::new();
-    let mut put = |key: &str, tensor: RawTensor| {
-        tensors.insert(format!("{prefix}{key}"), tensor);
-    };
-    let torch_weight = |tensor: Tensor<2>| raw(tensor.transpose());
-    let packed = module.d_key_input == module.d_model && module.d_value_input == module.d_model;
-    let weights = [&module.query, &module.key, &module.value].map(|linear| linear.weight.val());
-    if packed {
-        put(
-            "in_proj_weight",
-            raw(Tensor::cat(weights.map(|w| w.transpose()).to_vec(), 0)),
-        );
-    } else {
-        let [q, k, v] = weights;
-        put("q_proj_weight", torch_weight(q));
-        put("k_proj_weight", torch_weight(k));
-        put("v_proj_weight", torch_weight(v));
-    }
-    put("out_proj.weight", torch_weight(module.output.weight.val()));
-    let biases = [&module.query, &module.key, &module.value]
-        .map(|linear| linear.bias.as_ref().map(|bias| bias.val()));
-    if let [Some(q), Some(k), Some(v)] = biases {
-        put("in_proj_bias", raw(Tensor::cat(vec![q, k, v], 0)));
-    }
-    if let Some(bias) = &module.output.bias {
-        put("out_proj.bias", raw(bias.val()));
-    }
-    for (key, bias) in [("bias_k", &module.bias_k), ("bias_v", &module.bias_v)] {
-        if let Some(bias) = bias {
-            let mut tensor = raw(bias.val());
-            tensor.shape = vec![1, 1, tensor.values.len()];
-            put(key, tensor);
-        }
-    }
-    let bytes: Vec<(String, Vec<u8>, Vec<usize>)> = tensors
+    let bytes: Vec<(String, Vec<u8>, Vec<usize>)> = state_dict(module)
         .into_iter()
         .map(|(key, tensor)| {
             let bytes = tensor.values.iter().flat_map(|v| v.to_le_bytes()).collect();
-            (key, bytes, tensor.shape)
+            (format!("{prefix}{key}"), bytes, tensor.shape)
         })
         .collect();
     let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = bytes
@@ -541,10 +615,62 @@ pub fn save_pytorch_mha(
             (key.clone(), view)
         })
         .collect();
-    safetensors::serialize_to_file(views, None, &file).map_err(|error| PytorchError::Unreadable {
+    safetensors::serialize_to_file(views, None, &file).map_err(|error| PytorchError::Unwritable {
         file: file.clone(),
-        message: format!("cannot write: {error}"),
+        message: error.to_string(),
     })
+}
+
+/// Why PyTorch's `nn.MultiheadAttention` would compute something else than `module`, if it
+/// would.
+fn pytorch_cannot_express(module: &MultiHeadAttention) -> Option<&'static str> {
+    if module.n_kv_heads != module.n_heads {
+        Some("the module uses grouped-query attention (n_kv_heads < n_heads)")
+    } else if module.custom_scale {
+        Some("the module has a custom scale")
+    } else if module.quiet_softmax {
+        Some("the module uses the quiet softmax")
+    } else if module.rope.is_some() {
+        Some("the module rotates queries and keys with RoPE")
+    } else if module.alibi {
+        Some("the module adds ALiBi's distance penalty to the scores")
+    } else {
+        None
+    }
+}
+
+/// `module`'s parameters under PyTorch's names and in its `[out, in]` layout.
+fn state_dict(module: &MultiHeadAttention) -> BTreeMap<&'static str, RawTensor> {
+    let mut tensors = BTreeMap::new();
+    let torch_weight = |tensor: Tensor<2>| raw(tensor.transpose());
+    let packed = module.d_key_input == module.d_model && module.d_value_input == module.d_model;
+    let weights = [&module.query, &module.key, &module.value].map(|linear| linear.weight.val());
+    if packed {
+        let packed = Tensor::cat(weights.map(|w| w.transpose()).to_vec(), 0);
+        tensors.insert("in_proj_weight", raw(packed));
+    } else {
+        let [q, k, v] = weights;
+        tensors.insert("q_proj_weight", torch_weight(q));
+        tensors.insert("k_proj_weight", torch_weight(k));
+        tensors.insert("v_proj_weight", torch_weight(v));
+    }
+    tensors.insert("out_proj.weight", torch_weight(module.output.weight.val()));
+    let biases = [&module.query, &module.key, &module.value]
+        .map(|linear| linear.bias.as_ref().map(|bias| bias.val()));
+    if let [Some(q), Some(k), Some(v)] = biases {
+        tensors.insert("in_proj_bias", raw(Tensor::cat(vec![q, k, v], 0)));
+    }
+    if let Some(bias) = &module.output.bias {
+        tensors.insert("out_proj.bias", raw(bias.val()));
+    }
+    for (key, bias) in [("bias_k", &module.bias_k), ("bias_v", &module.bias_v)] {
+        if let Some(bias) = bias {
+            let mut tensor = raw(bias.val());
+            tensor.shape = vec![1, 1, tensor.values.len()];
+            tensors.insert(key, tensor);
+        }
+    }
+    tensors
 }
 
 fn raw<const D: usize>(tensor: Tensor<D>) -> RawTensor {
@@ -553,5 +679,5 @@ fn raw<const D: usize>(tensor: Tensor<D>) -> RawTensor {
         .into_data()
         .try_into_vec_as::<f32>()
         .expect("f32 values");
-    RawTensor { shape, values }
+    RawTensor::float(shape, values)
 }

@@ -1,7 +1,7 @@
 //! Rotary position embeddings (RoPE, Su et al. 2021) applied to query and key heads.
 
 use burn::config::Config;
-use burn::tensor::{Device, Tensor, TensorData};
+use burn::tensor::{DType, Device, Tensor, TensorData};
 
 /// Which features of a head form the rotated pairs.
 #[derive(Config, Debug, Copy, PartialEq, Eq)]
@@ -29,13 +29,13 @@ pub struct RopeConfig {
     pub layout: RopeLayout,
 }
 
-/// `cos` and `sin` of the angles of `positions` (`[seq, head_dim / 2]` each).
+/// `cos` and `sin` of the angles of `positions` (`[seq, head_dim / 2]` each), in `dtype`.
 fn angles(
     theta: f64,
     head_dim: usize,
     start: usize,
     seq: usize,
-    device: &Device,
+    (device, dtype): (&Device, DType),
 ) -> (Tensor<2>, Tensor<2>) {
     let half = head_dim / 2;
     let mut cos = Vec::with_capacity(seq * half);
@@ -44,13 +44,13 @@ fn angles(
         for pair in 0..half {
             let frequency = theta.powf(-2.0 * pair as f64 / head_dim as f64);
             let angle = position as f64 * frequency;
-            cos.push(angle.cos() as f32);
-            sin.push(angle.sin() as f32);
+            cos.push(angle.cos());
+            sin.push(angle.sin());
         }
     }
     (
-        Tensor::from_data(TensorData::new(cos, [seq, half]), device),
-        Tensor::from_data(TensorData::new(sin, [seq, half]), device),
+        Tensor::from_data(TensorData::new(cos, [seq, half]), (device, dtype)),
+        Tensor::from_data(TensorData::new(sin, [seq, half]), (device, dtype)),
     )
 }
 
@@ -67,7 +67,7 @@ impl RopeConfig {
             "RoPE needs an even head_dim, got {head_dim}"
         );
         let half = head_dim / 2;
-        let (cos, sin) = angles(self.theta, head_dim, start, seq, &x.device());
+        let (cos, sin) = angles(self.theta, head_dim, start, seq, (&x.device(), x.dtype()));
         let cos = cos.reshape([1, 1, seq, half]);
         let sin = sin.reshape([1, 1, seq, half]);
         match self.layout {
@@ -119,8 +119,23 @@ mod tests {
         rotated
             .into_data()
             .assert_approx_eq::<f32>(&expected.into(), Tolerance::absolute(1e-5));
-        // Hand check of the first pair: -2.3473, 7.4492 (as in Burn's test).
-        assert!((5.0 * c1 - 6.0 * s1 + 2.3473).abs() < 1e-4);
+    }
+
+    /// The interleaved layout is Burn's `RotaryEncoding`, run as Burn runs it, at every offset.
+    #[test]
+    fn interleaved_equals_burns_rotary_encoding_module() {
+        use burn::nn::RotaryEncodingConfig;
+        use burn::tensor::Distribution;
+        let device = Device::flex();
+        let x = Tensor::<4>::random([2, 3, 5, 8], Distribution::Normal(0.0, 1.0), &device);
+        let burns = RotaryEncodingConfig::new(32, 8).init(&device);
+        for start in [0, 1, 7, 20] {
+            let ours = RopeConfig::new().apply(x.clone(), start);
+            ours.into_data().assert_approx_eq::<f32>(
+                &burns.apply(x.clone(), start).into_data(),
+                Tolerance::absolute(1e-5),
+            );
+        }
     }
 
     #[test]

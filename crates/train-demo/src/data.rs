@@ -245,7 +245,12 @@ mod tests {
                 token_shift,
             };
             let model = config.init(&device);
-            let examples: Vec<Example> = (0..3).map(|_| task.sample(&mut Rng::new(9))).collect();
+            let mut rng = Rng::new(9);
+            let examples: Vec<Example> = (0..3).map(|_| task.sample(&mut rng)).collect();
+            assert!(
+                examples.windows(2).all(|pair| pair[0] != pair[1]),
+                "{kind:?}: three different examples"
+            );
             let batch = Batch::new(&examples, &device);
             let full = batch.logits(&model);
             let [_, seq, vocab] = full.dims();

@@ -130,6 +130,10 @@ struct TrainArgs {
     /// Stop after N steps in this process, saving a checkpoint as Ctrl-C does.
     #[arg(long)]
     stop_after: Option<usize>,
+    /// Save a checkpoint every N steps (0: only at the end and on Ctrl-C), so that a crash
+    /// loses at most N steps; `--resume` continues from the latest.
+    #[arg(long, default_value_t = 250)]
+    checkpoint_every: usize,
     /// No progress bar.
     #[arg(long)]
     quiet: bool,
@@ -225,6 +229,7 @@ fn run_training(args: TrainArgs) -> Result<(), String> {
             out: out.clone(),
             resume: args.resume,
             stop_after: args.stop_after,
+            checkpoint_every: args.checkpoint_every,
             eval_every: args.eval_every.max(1),
             eval_examples: args.eval_examples.max(1),
             quiet: args.quiet,

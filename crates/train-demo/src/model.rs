@@ -88,7 +88,7 @@ impl Block {
         let need = if weights.is_some() {
             NeedWeights::PerHead
         } else {
-            NeedWeights::None
+            NeedWeights::No
         };
         let output = attention.forward(input.need_weights(need));
         if let (Some(store), Some(w)) = (weights.as_mut(), output.weights) {
@@ -154,7 +154,7 @@ impl Block {
                 let output = attention.forward_cross_cached(
                     norm.forward(x.clone()),
                     memory,
-                    NeedWeights::None,
+                    NeedWeights::No,
                 );
                 x + silence(output.context)
             }

@@ -40,7 +40,15 @@ pub fn read_metrics(path: &Path) -> Vec<MetricsRow> {
         .collect()
 }
 
+/// Writes the metrics beside `path` and renames them over it, so that a crash leaves either the
+/// old file or the new one.
 pub fn write_metrics(path: &Path, rows: &[MetricsRow]) -> std::io::Result<()> {
+    let partial = path.with_extension("csv.partial");
+    write_rows(&partial, rows)?;
+    std::fs::rename(&partial, path)
+}
+
+fn write_rows(path: &Path, rows: &[MetricsRow]) -> std::io::Result<()> {
     let mut file = std::io::BufWriter::new(std::fs::File::create(path)?);
     writeln!(file, "{HEADER}")?;
     let optional = |value: Option<f64>| value.map(|v| format!("{v:.6}")).unwrap_or_default();
@@ -55,7 +63,7 @@ pub fn write_metrics(path: &Path, rows: &[MetricsRow]) -> std::io::Result<()> {
             optional(row.exact_accuracy)
         )?;
     }
-    Ok(())
+    file.into_inner()?.sync_all()
 }
 
 const FONT: &[u8] = include_bytes!("../assets/DejaVuSansMono.ttf");

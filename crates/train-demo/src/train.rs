@@ -27,6 +27,8 @@ pub struct TrainSettings {
     pub resume: bool,
     /// Stop (saving a checkpoint, as on Ctrl-C) after this many steps in this process.
     pub stop_after: Option<usize>,
+    /// Save a checkpoint every this many steps (0: only at the end and on Ctrl-C).
+    pub checkpoint_every: usize,
     pub eval_every: usize,
     pub eval_examples: usize,
     pub quiet: bool,
@@ -94,10 +96,12 @@ pub fn train(settings: TrainSettings, interrupted: Arc<AtomicBool>) -> Result<Su
             ));
         }
         let (model, optimizer) = checkpoint::load(&settings.out, model, optimizer())?;
+        // Rows past the checkpoint (written before a crash) are trained again.
         let rows: Vec<MetricsRow> = read_metrics(&settings.out.join("metrics.csv"))
             .into_iter()
             .filter(|row| row.step <= state.step)
             .collect();
+        eprintln!("resuming from step {}", state.step);
         (model, optimizer, state, rows)
     } else {
         let state = RunState {
@@ -176,6 +180,17 @@ pub fn train(settings: TrainSettings, interrupted: Arc<AtomicBool>) -> Result<Su
         });
         let rate = tokens_seen as f64 / started.elapsed().as_secs_f64().max(1e-9);
         progress.set_position(state.step as u64);
+        let periodic = settings.checkpoint_every > 0
+            && state.step.is_multiple_of(settings.checkpoint_every)
+            && state.step < identity.steps;
+        if periodic {
+            // Metrics first: rows past the checkpoint are dropped on resume, missing ones would
+            // be lost.
+            write_metrics(&settings.out.join("metrics.csv"), &rows)
+                .map_err(|e| format!("metrics.csv: {e}"))?;
+            checkpoint::save(&settings.out, &state, &model, &optimizer)?;
+            progress.suspend(|| eprintln!("checkpoint: step {} saved", state.step));
+        }
         progress.set_message(format!(
             "loss {loss_value:.4} | eval acc {:.1}% exact {:.1}% | lr {lr:.2e} | {rate:.0} tok/s",
             100.0 * last_eval.token,
@@ -184,9 +199,9 @@ pub fn train(settings: TrainSettings, interrupted: Arc<AtomicBool>) -> Result<Su
     }
     progress.finish_and_clear();
 
-    checkpoint::save(&settings.out, &state, &model, &optimizer)?;
     write_metrics(&settings.out.join("metrics.csv"), &rows)
         .map_err(|e| format!("metrics.csv: {e}"))?;
+    checkpoint::save(&settings.out, &state, &model, &optimizer)?;
     let seconds = started.elapsed().as_secs_f64();
     if stopped {
         return Ok(Summary {
@@ -316,6 +331,7 @@ mod tests {
             out: out.to_path_buf(),
             resume,
             stop_after,
+            checkpoint_every: 0,
             eval_every: 50,
             eval_examples: 128,
             quiet: true,

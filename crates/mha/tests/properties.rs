@@ -6,19 +6,14 @@ use burn::module::{Module, Param};
 use burn::tensor::{Bool, Device, Int, Tensor};
 use common::{all_finite, assert_close, randn, test_devices, tolerance};
 use mha::{
-    AttentionPath, ChunkSizes, MhaInput, MultiHeadAttention, MultiHeadAttentionConfig, NeedWeights,
+    AttentionPath, BlockSizes, MhaInput, MultiHeadAttention, MultiHeadAttentionConfig, NeedWeights,
     flash_attention_supported,
 };
-
-fn seeded(device: &Device, seed: u64) -> Device {
-    device.seed(seed);
-    device.clone()
-}
 
 #[test]
 fn self_attention_without_masks_is_permutation_equivariant() {
     for (name, device) in test_devices() {
-        let device = seeded(&device, 1);
+        let _seed = common::seed(&device, 1);
         let module = MultiHeadAttentionConfig::new(16, 4).init(&device);
         let x = randn([2, 6, 16], &device);
         let order = [3, 0, 5, 1, 4, 2];
@@ -42,13 +37,13 @@ fn self_attention_without_masks_is_permutation_equivariant() {
 #[test]
 fn causal_outputs_ignore_future_tokens() {
     for (name, device) in test_devices() {
-        let device = seeded(&device, 2);
+        let _seed = common::seed(&device, 2);
         let module = MultiHeadAttentionConfig::new(16, 2).init(&device);
         let x = randn([2, 7, 16], &device);
         let changed_future = x
             .clone()
             .slice_assign([0..2, 4..7, 0..16], randn([2, 3, 16], &device));
-        for path in [AttentionPath::Explicit, AttentionPath::Fused] {
+        for path in common::paths(&device) {
             let original = module
                 .forward(MhaInput::self_attn(x.clone()).causal().path(path))
                 .context;
@@ -78,7 +73,7 @@ fn causal_outputs_ignore_future_tokens() {
 #[test]
 fn padded_keys_and_values_change_nothing() {
     for (name, device) in test_devices() {
-        let device = seeded(&device, 3);
+        let _seed = common::seed(&device, 3);
         let module = MultiHeadAttentionConfig::new(12, 3)
             .with_d_key_input(Some(5))
             .with_d_value_input(Some(7))
@@ -99,7 +94,7 @@ fn padded_keys_and_values_change_nothing() {
         let garbage_value = value
             .clone()
             .slice_assign([0..2, 5..6], randn([2, 1, 7], &device).mul_scalar(50.0));
-        for path in [AttentionPath::Explicit, AttentionPath::Fused] {
+        for path in common::paths(&device) {
             let run = |key: Tensor<3>, value: Tensor<3>| {
                 module
                     .forward(
@@ -121,14 +116,14 @@ fn padded_keys_and_values_change_nothing() {
 
 /// An MHA module whose key/value heads are the GQA module's, each repeated for its group.
 fn expand_to_mha(gqa: &MultiHeadAttention, device: &Device) -> MultiHeadAttention {
-    let mut mha = MultiHeadAttentionConfig::new(gqa.d_model, gqa.n_heads).init(device);
-    let groups = gqa.n_heads / gqa.n_kv_heads;
+    let mut mha = MultiHeadAttentionConfig::new(gqa.d_model(), gqa.n_heads()).init(device);
+    let groups = gqa.n_heads() / gqa.n_kv_heads();
     let repeat_heads = |weight: Tensor<2>| {
         let [d_in, _] = weight.dims();
         weight
-            .reshape([d_in, gqa.n_kv_heads, 1, gqa.head_dim])
-            .expand([d_in, gqa.n_kv_heads, groups, gqa.head_dim])
-            .reshape([d_in, gqa.n_heads * gqa.head_dim])
+            .reshape([d_in, gqa.n_kv_heads(), 1, gqa.head_dim()])
+            .expand([d_in, gqa.n_kv_heads(), groups, gqa.head_dim()])
+            .reshape([d_in, gqa.n_heads() * gqa.head_dim()])
     };
     let repeat_bias = |bias: Tensor<1>| repeat_heads(bias.unsqueeze::<2>()).flatten(0, 1);
     mha.query = gqa.query.clone();
@@ -145,7 +140,7 @@ fn expand_to_mha(gqa: &MultiHeadAttention, device: &Device) -> MultiHeadAttentio
 #[test]
 fn gqa_and_mqa_equal_mha_with_repeated_key_value_heads() {
     for (name, device) in test_devices() {
-        let device = seeded(&device, 4);
+        let _seed = common::seed(&device, 4);
         for n_kv_heads in [1, 2, 4] {
             let gqa = MultiHeadAttentionConfig::new(16, 4)
                 .with_n_kv_heads(Some(n_kv_heads))
@@ -172,32 +167,156 @@ fn gqa_and_mqa_equal_mha_with_repeated_key_value_heads() {
     }
 }
 
+/// Every path, for plain multi-head attention (`n_kv_heads` unset or equal to `n_heads`) and
+/// grouped-query attention, against attention written out head by head from the weights.
 #[test]
-fn n_kv_heads_equal_to_n_heads_is_plain_mha() {
+fn every_path_equals_textbook_attention_head_by_head() {
     for (name, device) in test_devices() {
-        let config = MultiHeadAttentionConfig::new(16, 4);
-        let plain = config.init(&seeded(&device, 5));
-        // Same weights: the record of one loads into the other (same parameter shapes).
-        let explicit_kv = config
-            .clone()
-            .with_n_kv_heads(Some(4))
-            .init(&device)
-            .load_record(plain.clone().into_record());
-        let x = randn([1, 4, 16], &device);
-        assert_close(
-            &format!("{name}: n_kv_heads = n_heads"),
-            plain.forward(MhaInput::self_attn(x.clone())).context,
-            explicit_kv.forward(MhaInput::self_attn(x)).context,
-            // Bit-identical on the CPU; wgpu's autotuner may pick another kernel per call.
-            if name == "wgpu" { tolerance(name) } else { 0.0 },
+        let _seed = common::seed(&device, 5);
+        let configs = [
+            MultiHeadAttentionConfig::new(16, 4),
+            MultiHeadAttentionConfig::new(16, 4).with_n_kv_heads(Some(4)),
+            MultiHeadAttentionConfig::new(16, 4)
+                .with_n_kv_heads(Some(2))
+                .with_scale(Some(0.7)),
+            MultiHeadAttentionConfig::new(12, 3)
+                .with_d_key_input(Some(5))
+                .with_d_value_input(Some(7)),
+        ];
+        for config in configs {
+            let module = config.init(&device);
+            let query = randn([2, 5, module.d_model()], &device);
+            let key = randn([2, 7, module.d_key_input()], &device);
+            let value = randn([2, 7, module.d_value_input()], &device);
+            let padding = Tensor::<2, Bool>::from_data(
+                [[false; 7], [false, true, false, false, false, true, true]],
+                &device,
+            );
+            for causal in [false, true] {
+                let expected = common::reference_attention(
+                    &module,
+                    query.clone(),
+                    key.clone(),
+                    value.clone(),
+                    Some(&padding),
+                    causal,
+                );
+                for path in common::paths(&device) {
+                    let mut input = MhaInput::new(query.clone(), key.clone(), value.clone())
+                        .key_padding_mask(padding.clone())
+                        .path(path);
+                    if causal {
+                        input = input.causal();
+                    }
+                    assert_close(
+                        &format!("{name} {path:?} causal={causal} {config:?}"),
+                        module.forward(input).context,
+                        expected.clone(),
+                        tolerance(name),
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// A query row of NaN gives a NaN output row on every path (and leaves the other rows alone):
+/// no path may hide it as a fully masked row.
+#[test]
+fn nan_in_gives_nan_out_on_every_path() {
+    for (name, device) in test_devices() {
+        let _seed = common::seed(&device, 21);
+        let module = MultiHeadAttentionConfig::new(8, 2).init(&device);
+        let query = randn([1, 3, 8], &device).slice_assign(
+            [0..1, 1..2, 0..8],
+            Tensor::full([1, 1, 8], f32::NAN, &device),
         );
+        let memory = randn([1, 4, 8], &device);
+        for path in common::paths(&device) {
+            let output = module
+                .forward(MhaInput::new(query.clone(), memory.clone(), memory.clone()).path(path))
+                .context
+                .into_data()
+                .try_into_vec_as::<f32>()
+                .unwrap();
+            let (nan_row, other_rows) = (&output[8..16], [&output[..8], &output[16..]]);
+            assert!(
+                nan_row.iter().all(|x| x.is_nan()),
+                "{name} {path:?}: NaN query row gave {nan_row:?}"
+            );
+            assert!(
+                other_rows
+                    .iter()
+                    .all(|row| row.iter().all(|x| x.is_finite())),
+                "{name} {path:?}: other rows"
+            );
+        }
+    }
+}
+
+/// A masked key never reaches a row, whatever its score: infinite or NaN scores at padded
+/// positions leave every path's output as it is with ordinary keys there.
+#[test]
+fn masked_keys_never_reach_a_row_whatever_their_scores() {
+    for (name, device) in test_devices() {
+        let _seed = common::seed(&device, 22);
+        let module = MultiHeadAttentionConfig::new(8, 2).init(&device);
+        let query = randn([2, 3, 8], &device);
+        let key = randn([2, 5, 8], &device);
+        let value = randn([2, 5, 8], &device);
+        let padding = Tensor::<2, Bool>::from_data(
+            [
+                [false, false, true, false, true],
+                [false, false, false, false, true],
+            ],
+            &device,
+        );
+        // +inf, -inf and NaN key features make ±inf and NaN scores at the padded keys.
+        let poisoned = Tensor::<3>::from_data(
+            [[[
+                f32::INFINITY,
+                -1.0,
+                2.0,
+                0.5,
+                f32::NEG_INFINITY,
+                3.0,
+                -2.0,
+                1.0,
+            ]]],
+            &device,
+        );
+        let bad_key = key
+            .clone()
+            .slice_assign([0..1, 2..3, 0..8], poisoned.clone())
+            .slice_assign([0..1, 4..5, 0..8], poisoned.clone().mul_scalar(-1.0))
+            .slice_assign(
+                [1..2, 4..5, 0..8],
+                Tensor::full([1, 1, 8], f32::NAN, &device),
+            );
+        for path in common::paths(&device) {
+            let run = |key: Tensor<3>| {
+                module
+                    .forward(
+                        MhaInput::new(query.clone(), key, value.clone())
+                            .key_padding_mask(padding.clone())
+                            .path(path),
+                    )
+                    .context
+            };
+            assert_close(
+                &format!("{name} {path:?}: poisoned masked keys"),
+                run(bad_key.clone()),
+                run(key.clone()),
+                tolerance(name),
+            );
+        }
     }
 }
 
 #[test]
 fn fused_and_explicit_paths_agree() {
     for (name, device) in test_devices() {
-        let device = seeded(&device, 6);
+        let _seed = common::seed(&device, 6);
         let configs = [
             MultiHeadAttentionConfig::new(16, 4),
             MultiHeadAttentionConfig::new(16, 4)
@@ -212,13 +331,13 @@ fn fused_and_explicit_paths_agree() {
         for config in configs {
             let module = config.init(&device);
             let query = randn([2, 5, config.d_model], &device);
-            let key = randn([2, 7, module.d_key_input], &device);
-            let value = randn([2, 7, module.d_value_input], &device);
+            let key = randn([2, 7, module.d_key_input()], &device);
+            let value = randn([2, 7, module.d_value_input()], &device);
             let padding = Tensor::<2, Bool>::from_data(
                 [[false; 7], [false, false, false, true, false, true, true]],
                 &device,
             );
-            let bias = randn([2, module.n_heads, 5, 7], &device);
+            let bias = randn([2, module.n_heads(), 5, 7], &device);
             let inputs: Vec<(&str, MhaInput)> = vec![
                 (
                     "plain",
@@ -254,7 +373,8 @@ fn fused_and_explicit_paths_agree() {
 #[test]
 fn fully_masked_queries_give_zero_output_weights_and_finite_gradients() {
     for (name, device) in test_devices() {
-        let device = seeded(&device.autodiff(), 7);
+        let device = device.autodiff();
+        let _seed = common::seed(&device, 7);
         let module = MultiHeadAttentionConfig::new(8, 2)
             .with_bias(false)
             .init(&device);
@@ -270,13 +390,13 @@ fn fully_masked_queries_give_zero_output_weights_and_finite_gradients() {
         );
         let mut paths = vec![AttentionPath::Explicit, AttentionPath::Auto];
         if flash_attention_supported(&device) {
-            paths.push(AttentionPath::Flash(ChunkSizes { query: 2, key: 2 }));
+            paths.push(AttentionPath::Flash(BlockSizes { query: 2, key: 2 }));
         }
         for path in paths {
             let need_weights = if path == AttentionPath::Explicit {
                 NeedWeights::PerHead
             } else {
-                NeedWeights::None
+                NeedWeights::No
             };
             let output = module.forward(
                 MhaInput::self_attn(x.clone())
@@ -350,113 +470,65 @@ fn fully_masked_queries_give_zero_output_weights_and_finite_gradients() {
     }
 }
 
-#[test]
-fn gradients_match_central_finite_differences() {
-    for (name, device) in test_devices() {
-        let device = seeded(&device.autodiff(), 8);
-        let module = MultiHeadAttentionConfig::new(4, 2)
-            .with_add_bias_kv(true)
-            .with_add_zero_attn(true)
-            .init(&device);
-        let x = randn([1, 3, 4], &device);
-        let padding = Tensor::<2, Bool>::from_data([[false, false, true]], &device);
-        let loss_of = |x: Tensor<3>, path: AttentionPath| -> Tensor<1> {
-            let context = module
-                .forward(
-                    MhaInput::self_attn(x)
-                        .causal()
-                        .key_padding_mask(padding.clone())
-                        .path(path),
-                )
-                .context;
-            // A loss whose gradient differs from position to position.
-            let weights = Tensor::<1>::from_data([0.3, -1.1, 0.7, 2.0], &device).reshape([1, 1, 4]);
-            (context * weights).sum()
-        };
-        let mut paths = vec![AttentionPath::Explicit, AttentionPath::Fused];
-        if flash_attention_supported(&device) {
-            paths.push(AttentionPath::Flash(ChunkSizes { query: 2, key: 2 }));
-        }
-        for path in paths {
-            let tracked = x.clone().require_grad();
-            let grads = loss_of(tracked.clone(), path).backward();
-            let analytic = tracked
-                .grad(&grads)
-                .unwrap()
-                .into_data()
-                .try_into_vec_as::<f32>()
-                .unwrap();
-            let plain = x.clone().inner();
-            let epsilon = 1e-2;
-            let values = plain.clone().into_data().try_into_vec_as::<f32>().unwrap();
-            for (index, analytic) in analytic.iter().enumerate() {
-                let nudged = |delta: f32| {
-                    let mut v = values.clone();
-                    v[index] += delta;
-                    let t = Tensor::<3>::from_data(
-                        burn::tensor::TensorData::new(v, [1, 3, 4]),
-                        &device,
-                    );
-                    loss_of(t, path).into_scalar::<f32>()
-                };
-                let numeric = (nudged(epsilon) - nudged(-epsilon)) / (2.0 * epsilon);
-                assert!(
-                    (numeric - analytic).abs() <= 2e-2 * (1.0 + numeric.abs()),
-                    "{name} {path:?}: d loss / d x[{index}] analytic {analytic} vs numeric {numeric}"
-                );
-            }
-        }
-    }
-}
-
+/// Dropout changes a forward in training mode on an autodiff device only, and there `Auto`
+/// must take the explicit path (the only one with dropout) even when no weights are asked for.
 #[test]
 fn dropout_acts_only_in_training_on_an_autodiff_device() {
     for (name, device) in test_devices() {
-        let config = MultiHeadAttentionConfig::new(8, 2).with_dropout(0.5);
-        let x = randn([2, 6, 8], &device);
-        let row_sums = |module: &MultiHeadAttention, x: Tensor<3>| {
-            let weights = module
-                .forward(MhaInput::self_attn(x).need_weights(NeedWeights::PerHead))
-                .weights
-                .unwrap()
-                .per_head()
-                .unwrap();
-            weights
-                .sum_dim(3)
-                .into_data()
-                .try_into_vec_as::<f32>()
-                .unwrap()
-        };
-        let plain_sums = row_sums(&config.init(&device), x.clone());
-        assert!(
-            plain_sums.iter().all(|s| (s - 1.0).abs() < 1e-4),
-            "{name}: no dropout off autodiff"
-        );
-
         let autodiff = device.clone().autodiff();
-        let training = config.init(&autodiff);
-        let x_ad = Tensor::<3>::from_data(x.to_data(), &autodiff);
-        let dropped = row_sums(&training, x_ad.clone());
-        assert!(
-            dropped.iter().any(|s| (s - 1.0).abs() > 1e-2),
-            "{name}: dropout changes training weights"
+        let _seed = common::seed(&autodiff, 23);
+        let training = MultiHeadAttentionConfig::new(8, 2)
+            .with_dropout(0.5)
+            .init(&autodiff);
+        let x = randn([2, 6, 8], &autodiff);
+        let context = |module: &MultiHeadAttention, x: Tensor<3>| {
+            module.forward(MhaInput::self_attn(x)).context
+        };
+        // Frozen in place: still on the autodiff device, training flags cleared.
+        let frozen = context(&training.clone().freeze(), x.clone());
+        let off_autodiff = context(&training.valid(), x.clone().inner());
+        assert_close(
+            &format!("{name}: no dropout when frozen on the autodiff device"),
+            frozen.clone().inner(),
+            off_autodiff.clone(),
+            tolerance(name),
         );
-        // Dropout forbids the fused kernel, so Auto takes the explicit path in training.
-        let valid = training.valid();
-        let eval_sums = row_sums(&valid, x_ad.inner());
+        let first = context(&training, x.clone());
+        let second = context(&training, x.clone());
         assert!(
-            eval_sums.iter().all(|s| (s - 1.0).abs() < 1e-4),
-            "{name}: no dropout after valid()"
+            common::max_abs_diff(first.clone().inner(), frozen.inner()) > 1e-2,
+            "{name}: dropout changes a training forward without weights (Auto took a path \
+             without dropout)"
+        );
+        assert!(
+            common::max_abs_diff(first.inner(), second.inner()) > 1e-2,
+            "{name}: each training forward draws its own dropout mask"
+        );
+        let weights = training
+            .forward(MhaInput::self_attn(x).need_weights(NeedWeights::PerHead))
+            .weights
+            .unwrap()
+            .per_head()
+            .unwrap();
+        let row_sums = weights
+            .sum_dim(3)
+            .inner()
+            .into_data()
+            .try_into_vec_as::<f32>()
+            .unwrap();
+        assert!(
+            row_sums.iter().any(|s| (s - 1.0).abs() > 1e-2),
+            "{name}: returned training weights are after dropout"
         );
     }
 }
 
 #[test]
-fn burnpack_save_and_load_is_bit_identical() {
+fn burnpack_save_and_load_restores_every_parameter_bit_for_bit() {
     let directory = std::env::temp_dir().join(format!("mha-save-load-{}", std::process::id()));
     std::fs::create_dir_all(&directory).unwrap();
     for (name, device) in test_devices() {
-        let device = seeded(&device, 9);
+        let _seed = common::seed(&device, 9);
         let config = MultiHeadAttentionConfig::new(16, 4)
             .with_n_kv_heads(Some(2))
             .with_d_key_input(Some(6))
@@ -470,9 +542,29 @@ fn burnpack_save_and_load_is_bit_identical() {
 
         let path = directory.join(format!("attention-{name}"));
         module.clone().save_file(&path).expect("save");
-        let reloaded = config.init(&seeded(&device, 10)).load_file(&path);
+        device.seed(10); // still under this test's seed guard
+        let reloaded = config.init(&device).load_file(&path);
+        let parameters = |module: &MultiHeadAttention| {
+            let mut values = Vec::new();
+            for linear in [&module.query, &module.key, &module.value, &module.output] {
+                values.push(linear.weight.val().into_data());
+                values.push(linear.bias.as_ref().unwrap().val().into_data());
+            }
+            for bias in [&module.bias_k, &module.bias_v] {
+                values.push(bias.as_ref().unwrap().val().into_data());
+            }
+            values
+        };
+        for (saved, loaded) in parameters(&module).iter().zip(parameters(&reloaded)) {
+            saved.assert_eq(&loaded, true);
+        }
         let after = reloaded.forward(input()).context.into_data();
-        before.assert_eq(&after, true);
+        if name == "wgpu" {
+            // The autotuner may pick another kernel for the second call.
+            after.assert_approx_eq::<f32>(&before, burn::tensor::Tolerance::absolute(1e-5));
+        } else {
+            before.assert_eq(&after, true);
+        }
     }
     std::fs::remove_dir_all(&directory).ok();
 }

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""PyTorch's nn.MultiheadAttention on CPU, in the table format of `cargo bench -p mha --bench table`.
+"""PyTorch's nn.MultiheadAttention on CPU, in the table format of `cargo bench --workspace --bench table`.
 
-    python bench/torch_mha.py                      # every shape, threads = cores
-    python bench/torch_mha.py --threads 2 --shapes 4x512x512x8
+    python crates/mha/benches/torch_mha.py                      # every shape, threads = cores
+    python crates/mha/benches/torch_mha.py --threads 2 --shapes 4x512x512x8
 
 Modes match the Rust bench: `fwd` (eval, inference mode, need_weights=False: PyTorch's fast
 path), `fwd+weights` (per-head weights, average_attn_weights=False) and `fwd+bwd` (gradient of

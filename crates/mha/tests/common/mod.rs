@@ -4,11 +4,31 @@
 use std::path::PathBuf;
 
 use burn::module::Param;
+use burn::tensor::activation::softmax;
 use burn::tensor::{Bool, Device, Distribution, Tensor, TensorData};
-use mha::{MultiHeadAttention, MultiHeadAttentionConfig};
+use mha::{
+    AttentionPath, BlockSizes, MultiHeadAttention, MultiHeadAttentionConfig,
+    flash_attention_supported,
+};
 use serde_json::Value;
 
-pub use burn_mha::{test_devices, tolerance};
+mod devices;
+#[allow(unused_imports)] // each test binary uses its own subset
+pub use devices::{devices_from, test_devices, tolerance};
+
+/// Seeds `device`'s backend generator and holds a lock until the guard drops. Burn's seeded
+/// generator is one per backend and process, shared by the tests that `cargo test` runs on
+/// parallel threads: a test that seeds and then draws must hold this guard while it draws, or
+/// another test's draws interleave with its own.
+#[must_use = "the generator is only this test's while the guard lives"]
+pub fn seed(device: &Device, seed: u64) -> std::sync::MutexGuard<'static, ()> {
+    static SEEDED: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let guard = SEEDED
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    device.seed(seed);
+    guard
+}
 
 /// A PyTorch fixture written by `tests/fixtures/generate_pytorch_fixtures.py`.
 pub struct Fixture {
@@ -175,4 +195,91 @@ pub fn all_finite<const D: usize>(t: Tensor<D>) -> bool {
         .unwrap()
         .iter()
         .all(|x| x.is_finite())
+}
+
+/// Every path that can run on `device` without weights, dropout or a quiet softmax, with small
+/// blocks so that several blocks (and a short last one) are taken: explicit, fused, chunked,
+/// flash where it is compiled, and `Auto`.
+pub fn paths(device: &Device) -> Vec<AttentionPath> {
+    let blocks = BlockSizes { query: 3, key: 2 };
+    let mut paths = vec![
+        AttentionPath::Explicit,
+        AttentionPath::Fused,
+        AttentionPath::Chunked(blocks),
+    ];
+    if flash_attention_supported(device) {
+        paths.push(AttentionPath::Flash(blocks));
+    }
+    paths.push(AttentionPath::Auto);
+    paths
+}
+
+/// Multi-head attention written out head by head from the module's weights, in the textbook
+/// form (no grouping reshapes, no fused kernels): the independent reference for modules
+/// without RoPE, ALiBi or appended keys. `padding` is `[batch, seq_k]`, `true` = ignored.
+pub fn reference_attention(
+    module: &MultiHeadAttention,
+    query: Tensor<3>,
+    key: Tensor<3>,
+    value: Tensor<3>,
+    padding: Option<&Tensor<2, Bool>>,
+    causal: bool,
+) -> Tensor<3> {
+    let [batch, seq_q, _] = query.dims();
+    let seq_k = key.dims()[1];
+    let (heads, head_dim) = (module.n_heads(), module.head_dim());
+    let groups = heads / module.n_kv_heads();
+    let q = module.query.forward(query);
+    let k = module.key.forward(key);
+    let v = module.value.forward(value);
+    let device = q.device();
+    let mut forbid = Tensor::<3, Bool>::zeros([batch, seq_q, seq_k], &device);
+    if let Some(padding) = padding {
+        forbid = forbid.bool_or(
+            padding
+                .clone()
+                .reshape([batch, 1, seq_k])
+                .expand([batch, seq_q, seq_k]),
+        );
+    }
+    if causal {
+        let future = mha::causal_mask(seq_q, seq_k, &device).reshape([1, seq_q, seq_k]);
+        forbid = forbid.bool_or(future.expand([batch, seq_q, seq_k]));
+    }
+    let outputs = (0..heads)
+        .map(|h| {
+            let kv = h / groups;
+            let q_h = q.clone().narrow(2, h * head_dim, head_dim);
+            let k_h = k.clone().narrow(2, kv * head_dim, head_dim);
+            let v_h = v.clone().narrow(2, kv * head_dim, head_dim);
+            let scores = q_h.matmul(k_h.swap_dims(1, 2)).mul_scalar(module.scale());
+            let scores = scores.mask_fill(forbid.clone(), f32::NEG_INFINITY);
+            softmax(scores, 2).matmul(v_h)
+        })
+        .collect();
+    module.output.forward(Tensor::cat(outputs, 2))
+}
+
+/// What `run` returned, or the message it panicked with.
+pub fn outcome<T>(run: impl FnOnce() -> T) -> Result<T, String> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)).map_err(|payload| {
+        payload
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_default()
+    })
+}
+
+/// The message `run` panicked with.
+///
+/// # Panics
+///
+/// If `run` returns instead.
+#[track_caller]
+pub fn panic_message<T>(run: impl FnOnce() -> T) -> String {
+    match outcome(run) {
+        Ok(_) => panic!("expected a panic"),
+        Err(message) => message,
+    }
 }

@@ -3,8 +3,8 @@
 //! mix (peak resident set size, `VmHWM` of `/proc/self/status`).
 //!
 //! ```sh
-//! cargo bench --bench long_sequence            # all cases, one table
-//! cargo bench --bench long_sequence -- CASE    # one case (what the table runs)
+//! cargo bench --workspace --bench long_sequence            # all cases, one table
+//! cargo bench --workspace --bench long_sequence -- CASE    # one case (what the table runs)
 //! ```
 //!
 //! Burn's module materialises `[batch, heads, seq, seq]` scores (8.6 GB at 16384 tokens, more
@@ -16,7 +16,7 @@ use std::time::Instant;
 use burn::module::Module;
 use burn::nn::attention::{MhaInput as BurnMhaInput, MultiHeadAttentionConfig as BurnMhaConfig};
 use burn::tensor::{Device, Distribution, Tensor};
-use mha::{AttentionPath, ChunkSizes, MhaInput, MultiHeadAttentionConfig};
+use mha::{AttentionPath, BlockSizes, MhaInput, MultiHeadAttentionConfig};
 
 const D_MODEL: usize = 512;
 const HEADS: usize = 8;
@@ -33,7 +33,7 @@ const CASES: [(&str, &str, usize, bool); 7] = [
     ("ours-training-8192", "ours", 8192, true),
 ];
 
-/// Not in the table: `cargo bench --bench long_sequence -- gradients-4096` compares the input
+/// Not in the table: `cargo bench --workspace --bench long_sequence -- gradients-4096` compares the input
 /// and weight gradients of the flash kernel (`Auto`) with the explicit path's at 4096 tokens.
 const GRADIENT_CHECK: &str = "gradients-4096";
 
@@ -131,7 +131,7 @@ fn compare_gradients(seq: usize) {
         ]
     };
     let explicit = run(AttentionPath::Explicit);
-    let flash = run(AttentionPath::Flash(ChunkSizes::default()));
+    let flash = run(AttentionPath::Flash(BlockSizes::default()));
     println!("causal self-attention, {seq} tokens, flash kernel vs explicit path on flex");
     for ((what, expected), (_, actual)) in explicit.into_iter().zip(flash) {
         let magnitude = expected.clone().abs().max().into_scalar::<f32>();

@@ -1,9 +1,12 @@
 //! Bad input panics with a message naming the argument, the expected and the actual shape.
 
-use std::panic::{AssertUnwindSafe, catch_unwind};
+mod common;
 
 use burn::tensor::{Bool, Device, Tensor};
-use mha::{AttentionPath, MhaInput, MultiHeadAttention, MultiHeadAttentionConfig, NeedWeights};
+use common::panic_message;
+use mha::{
+    AttentionPath, BlockSizes, MhaInput, MultiHeadAttention, MultiHeadAttentionConfig, NeedWeights,
+};
 
 fn zeros<const D: usize>(shape: [usize; D]) -> Tensor<D> {
     Tensor::zeros(shape, &Device::flex())
@@ -24,15 +27,6 @@ fn module() -> MultiHeadAttention {
 /// batch 2, seq_q 3, seq_k 4.
 fn good_input() -> MhaInput {
     MhaInput::new(zeros([2, 3, 8]), zeros([2, 4, 6]), zeros([2, 4, 5]))
-}
-
-fn panic_message(run: impl FnOnce()) -> String {
-    let payload = catch_unwind(AssertUnwindSafe(run)).expect_err("expected a panic");
-    payload
-        .downcast_ref::<String>()
-        .cloned()
-        .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
-        .unwrap_or_default()
 }
 
 #[test]
@@ -221,6 +215,22 @@ fn every_bad_input_is_refused_with_a_clear_message() {
                     .forward(MhaInput::self_attn(zeros([1, 2, 8])).path(AttentionPath::Fused));
             }),
             "`AttentionPath::Fused` was forced but the softmax is quiet",
+        ),
+        (
+            "chunked path with empty blocks",
+            Box::new(move || {
+                m.forward(
+                    good_input().path(AttentionPath::Chunked(BlockSizes { query: 0, key: 4 })),
+                );
+            }),
+            "`AttentionPath::Chunked` needs positive block sizes, got BlockSizes { query: 0, key: 4 }",
+        ),
+        (
+            "flash path with empty blocks",
+            Box::new(move || {
+                m.forward(good_input().path(AttentionPath::Flash(BlockSizes { query: 2, key: 0 })));
+            }),
+            "`AttentionPath::Flash` needs positive block sizes, got BlockSizes { query: 2, key: 0 }",
         ),
         (
             "self-attention width",

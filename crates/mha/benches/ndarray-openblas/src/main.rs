@@ -2,7 +2,7 @@
 //! `fwd+bwd` at (4, 512, 512, 8), medians of 8 runs after a warm-up, the two alternated.
 //!
 //! ```sh
-//! cd bench/ndarray-openblas && OPENBLAS_NUM_THREADS=2 cargo run --release
+//! cd crates/mha/benches/ndarray-openblas && OPENBLAS_NUM_THREADS=2 cargo run --release
 //! ```
 use burn::nn::attention::{MhaInput as BurnMhaInput, MultiHeadAttentionConfig as BurnMhaConfig};
 use burn::tensor::{Device, Distribution, Tensor};

@@ -1,10 +1,10 @@
 //! `MultiHeadAttention` against `torch.nn.MultiheadAttention(batch_first=True)`, on every test
-//! device, through both attention paths. Fixtures: `tests/fixtures/generate_pytorch_fixtures.py`.
+//! device, through every attention path. Fixtures: `tests/fixtures/generate_pytorch_fixtures.py`.
 
 mod common;
 
 use common::{Fixture, assert_close, test_devices, tolerance};
-use mha::{AttentionPath, MhaInput, NeedWeights};
+use mha::{MhaInput, NeedWeights};
 
 const CASES: [&str; 13] = [
     "self_basic",
@@ -83,14 +83,17 @@ fn outputs_and_weights_match_pytorch() {
                 bound,
             );
 
-            let fused = module.forward(input(&fixture, &device).path(AttentionPath::Fused));
-            assert!(fused.weights.is_none());
-            assert_close(
-                &what("output (fused path)"),
-                fused.context,
-                expected_output,
-                bound,
-            );
+            // Every other path, `Auto` (what a caller gets by default) among them.
+            for path in common::paths(&device) {
+                let output = module.forward(input(&fixture, &device).path(path));
+                assert!(output.weights.is_none());
+                assert_close(
+                    &what(&format!("output ({path:?})")),
+                    output.context,
+                    expected_output.clone(),
+                    bound,
+                );
+            }
         }
     }
 }

@@ -5,7 +5,7 @@ mod common;
 use burn::tensor::{Bool, Device, Tensor, TensorData};
 use common::{assert_close, randn, test_devices, tolerance};
 use mha::{
-    AttentionPath, CacheError, CacheLimit, ChunkSizes, KvCache, MhaInput, MultiHeadAttention,
+    AttentionPath, BlockSizes, CacheError, CacheLimit, KvCache, MhaInput, MultiHeadAttention,
     MultiHeadAttentionConfig, NeedWeights, RopeConfig, RopeLayout, flash_attention_supported,
 };
 
@@ -56,7 +56,7 @@ fn decode(
 #[test]
 fn cached_decoding_in_any_steps_equals_one_causal_forward() {
     for (name, device) in test_devices() {
-        device.seed(11);
+        let _seed = common::seed(&device, 11);
         for (label, config) in configs() {
             let module = config.init(&device);
             let x = randn([2, 9, 16], &device);
@@ -81,7 +81,7 @@ fn cached_decoding_in_any_steps_equals_one_causal_forward() {
 #[test]
 fn cached_padding_covers_cached_and_new_keys() {
     for (name, device) in test_devices() {
-        device.seed(12);
+        let _seed = common::seed(&device, 12);
         let module = MultiHeadAttentionConfig::new(8, 2).init(&device);
         let x = randn([2, 5, 8], &device);
         let padding = Tensor::<2, Bool>::from_data(
@@ -153,7 +153,7 @@ fn band_mask(seq: usize, window: usize, device: &Device) -> Tensor<2, Bool> {
 #[test]
 fn sliding_window_cache_equals_banded_attention_and_evicts() {
     for (name, device) in test_devices() {
-        device.seed(13);
+        let _seed = common::seed(&device, 13);
         let module = MultiHeadAttentionConfig::new(8, 2)
             .with_rope(Some(RopeConfig::new()))
             .init(&device);
@@ -239,7 +239,7 @@ fn capacity_and_batch_changes_are_refused_and_leave_the_cache_unchanged() {
 #[test]
 fn cross_attention_cache_projects_the_memory_once_and_matches_forward() {
     for (name, device) in test_devices() {
-        device.seed(14);
+        let _seed = common::seed(&device, 14);
         let module = MultiHeadAttentionConfig::new(12, 3)
             .with_n_kv_heads(Some(1))
             .with_d_key_input(Some(5))
@@ -283,7 +283,7 @@ fn cross_attention_cache_projects_the_memory_once_and_matches_forward() {
 #[test]
 fn rope_scores_depend_only_on_the_distance() {
     for (name, device) in test_devices() {
-        device.seed(15);
+        let _seed = common::seed(&device, 15);
         for layout in [RopeLayout::Interleaved, RopeLayout::HalfSplit] {
             let rope = RopeConfig::new().with_layout(layout);
             let q = randn([1, 1, 1, 8], &device);
@@ -308,7 +308,7 @@ fn rope_scores_depend_only_on_the_distance() {
 #[test]
 fn chunked_path_equals_explicit_path() {
     for (name, device) in test_devices() {
-        device.seed(16);
+        let _seed = common::seed(&device, 16);
         let module = MultiHeadAttentionConfig::new(16, 4)
             .with_n_kv_heads(Some(2))
             .with_add_bias_kv(true)
@@ -349,9 +349,9 @@ fn chunked_path_equals_explicit_path() {
                 .forward(input.clone().path(AttentionPath::Explicit))
                 .context;
             for sizes in [
-                ChunkSizes { query: 4, key: 5 },
-                ChunkSizes { query: 1, key: 3 },
-                ChunkSizes::default(),
+                BlockSizes { query: 4, key: 5 },
+                BlockSizes { query: 1, key: 3 },
+                BlockSizes::default(),
             ] {
                 let chunked = module
                     .forward(input.clone().path(AttentionPath::Chunked(sizes)))
@@ -367,135 +367,156 @@ fn chunked_path_equals_explicit_path() {
     }
 }
 
-/// The flash kernel's custom backward against autodiff through the explicit path: the
-/// context and the gradients of the inputs and of every parameter.
+/// The flash kernel's custom backward, and autodiff through the chunked path, against autodiff
+/// through the explicit path: the context and the gradients of the inputs and of every
+/// parameter. Once with keys appended (`add_bias_kv`, which moves the causal mask into the
+/// bool mask) and once without (the kernels' own causal handling).
 #[test]
-fn flash_path_equals_explicit_path_in_outputs_and_gradients() {
+fn flash_and_chunked_paths_equal_the_explicit_path_in_outputs_and_gradients() {
     for (name, device) in test_devices() {
         let device = device.autodiff();
-        if !flash_attention_supported(&device) {
-            eprintln!("{name}: no flash kernel, `Auto` trains on the explicit path");
-            continue;
-        }
-        device.seed(18);
-        let module = MultiHeadAttentionConfig::new(16, 4)
+        let _seed = common::seed(&device, 18);
+        let appended = MultiHeadAttentionConfig::new(16, 4)
             .with_n_kv_heads(Some(2))
             .with_add_bias_kv(true)
             .with_alibi(true)
             .with_rope(Some(RopeConfig::new()))
             .init(&device);
-        let query = randn([2, 11, 16], &device);
-        let memory = randn([2, 13, 16], &device);
-        let padding = Tensor::<2, Bool>::from_data(
-            [
-                [false; 13],
-                [
-                    false, false, true, false, false, false, false, false, false, true, true, true,
-                    true,
+        let plain = MultiHeadAttentionConfig::new(16, 4)
+            .with_n_kv_heads(Some(2))
+            .with_scale(Some(0.4))
+            .init(&device);
+        let inputs = GradientInputs::new(&device);
+        for (module_label, module) in [("appended keys", &appended), ("no appended keys", &plain)] {
+            // lavapipe compiles a kernel per new shape: one block size there.
+            let block_sizes = match name {
+                "wgpu" => vec![BlockSizes { query: 4, key: 5 }],
+                _ => vec![
+                    BlockSizes { query: 4, key: 5 },
+                    BlockSizes { query: 1, key: 3 },
+                    BlockSizes::default(),
                 ],
-            ],
-            &device,
-        );
-        let bias = randn([2, 4, 11, 13], &device);
-        let short = randn([2, 5, 16], &device);
-        type Case = (
-            &'static str,
-            Tensor<3>,
-            Option<Tensor<3>>,
-            fn(MhaInput) -> MhaInput,
-        );
-        let cases: Vec<Case> = vec![
-            ("plain", query.clone(), Some(memory.clone()), |input| input),
-            ("padding+causal", query.clone(), Some(memory.clone()), {
-                |input| input.causal()
-            }),
-            ("self causal", query.clone(), None, |input| input.causal()),
-            // More queries than keys: the first queries see no key under the causal mask.
-            (
-                "causal, seq_q > seq_k",
-                query.clone(),
-                Some(short),
-                |input| input.causal(),
-            ),
-        ];
-        for (label, query, memory, options) in cases {
-            for sizes in [
-                ChunkSizes { query: 4, key: 5 },
-                ChunkSizes { query: 1, key: 3 },
-                ChunkSizes::default(),
-            ] {
-                let run = |path: AttentionPath| {
-                    let query = query.clone().detach().require_grad();
-                    let memory = memory.clone().map(|m| m.detach().require_grad());
-                    let mut input = match &memory {
-                        Some(memory) => {
-                            MhaInput::new(query.clone(), memory.clone(), memory.clone())
+            };
+            for blocks in block_sizes {
+                let mut paths = vec![AttentionPath::Chunked(blocks)];
+                if flash_attention_supported(&device) {
+                    paths.push(AttentionPath::Flash(blocks));
+                }
+                for (case, _) in GradientInputs::CASES {
+                    let explicit = inputs.run(module, case, AttentionPath::Explicit);
+                    for &path in &paths {
+                        let actual = inputs.run(module, case, path);
+                        for ((what, expected), (_, actual)) in explicit.iter().zip(actual) {
+                            // Outputs as tight as every other path; gradients sum over more
+                            // terms.
+                            let bound = if *what == "context" {
+                                tolerance(name)
+                            } else {
+                                1e-4
+                            };
+                            assert_close(
+                                &format!("{name} {module_label} {case} {path:?}: {what}"),
+                                actual,
+                                expected.clone(),
+                                bound,
+                            );
                         }
-                        None => MhaInput::self_attn(query.clone()),
-                    };
-                    if label == "padding+causal" {
-                        input = input.key_padding_mask(padding.clone());
                     }
-                    if label == "plain" {
-                        input = input.attn_mask(bias.clone());
-                    }
-                    let context = module.forward(options(input).path(path)).context;
-                    // A loss whose gradient differs from element to element.
-                    let loss = (context.clone() * context.clone().sin()).sum();
-                    let grads = loss.backward();
-                    let mut named = vec![
-                        ("context", context.inner().reshape([-1])),
-                        ("d query", query.grad(&grads).unwrap().reshape([-1])),
-                        (
-                            "d W_q",
-                            module.query.weight.grad(&grads).unwrap().reshape([-1]),
-                        ),
-                        (
-                            "d W_k",
-                            module.key.weight.grad(&grads).unwrap().reshape([-1]),
-                        ),
-                        (
-                            "d W_v",
-                            module.value.weight.grad(&grads).unwrap().reshape([-1]),
-                        ),
-                        (
-                            "d W_o",
-                            module.output.weight.grad(&grads).unwrap().reshape([-1]),
-                        ),
-                        (
-                            "d bias_k",
-                            module
-                                .bias_k
-                                .as_ref()
-                                .unwrap()
-                                .grad(&grads)
-                                .unwrap()
-                                .reshape([-1]),
-                        ),
-                    ];
-                    if let Some(memory) = &memory {
-                        named.push(("d memory", memory.grad(&grads).unwrap().reshape([-1])));
-                    }
-                    named
-                };
-                let explicit = run(AttentionPath::Explicit);
-                let flash = run(AttentionPath::Flash(sizes));
-                for ((what, expected), (_, actual)) in explicit.into_iter().zip(flash) {
-                    // Outputs as tight as every other path; gradients sum over more terms.
-                    let bound = if what == "context" {
-                        tolerance(name)
-                    } else {
-                        1e-4
-                    };
-                    assert_close(
-                        &format!("{name} {label} {sizes:?}: {what}"),
-                        actual,
-                        expected,
-                        bound,
-                    );
                 }
             }
         }
+    }
+}
+
+/// The inputs of the gradient comparisons: query, memory, masks.
+struct GradientInputs {
+    query: Tensor<3>,
+    memory: Tensor<3>,
+    short: Tensor<3>,
+    padding: Tensor<2, Bool>,
+    bias: Tensor<4>,
+}
+
+impl GradientInputs {
+    /// Each case and what it exercises.
+    const CASES: [(&'static str, &'static str); 5] = [
+        ("float mask", "a float attention mask, cross-attention"),
+        (
+            "padding+causal",
+            "key padding with fully padded keys at the end, causal",
+        ),
+        ("self causal", "causal self-attention"),
+        (
+            "causal, seq_q > seq_k",
+            "more queries than keys: the first see no key",
+        ),
+        (
+            "causal, seq_q < seq_k",
+            "fewer queries than keys: bottom-right alignment",
+        ),
+    ];
+
+    fn new(device: &Device) -> Self {
+        let mut padding = vec![false; 2 * 13];
+        for key in [2, 9, 10, 11, 12] {
+            padding[13 + key] = true;
+        }
+        Self {
+            query: randn([2, 11, 16], device),
+            memory: randn([2, 13, 16], device),
+            short: randn([2, 5, 16], device),
+            padding: Tensor::from_data(TensorData::new(padding, [2, 13]), device),
+            bias: randn([2, 4, 11, 13], device),
+        }
+    }
+
+    /// The context and every gradient, flattened and named.
+    fn run(
+        &self,
+        module: &MultiHeadAttention,
+        case: &str,
+        path: AttentionPath,
+    ) -> Vec<(&'static str, Tensor<1>)> {
+        let query = self.query.clone().detach().require_grad();
+        let memory = match case {
+            "self causal" => None,
+            "causal, seq_q > seq_k" => Some(self.short.clone()),
+            "causal, seq_q < seq_k" => Some(self.memory.clone()),
+            _ => Some(self.memory.clone()),
+        }
+        .map(|memory| memory.detach().require_grad());
+        let query_input = match case {
+            "causal, seq_q < seq_k" => query.clone().narrow(1, 0, 6),
+            _ => query.clone(),
+        };
+        let mut input = match &memory {
+            Some(memory) => MhaInput::new(query_input, memory.clone(), memory.clone()),
+            None => MhaInput::self_attn(query_input),
+        };
+        input = match case {
+            "float mask" => input.attn_mask(self.bias.clone()),
+            "padding+causal" => input.key_padding_mask(self.padding.clone()).causal(),
+            _ => input.causal(),
+        };
+        let context = module.forward(input.path(path)).context;
+        // A loss whose gradient differs from element to element.
+        let grads = (context.clone() * context.clone().sin()).sum().backward();
+        let flat = |tensor: Tensor<2>| tensor.reshape([-1]);
+        let mut named = vec![
+            ("context", context.inner().reshape([-1])),
+            ("d query", query.grad(&grads).unwrap().reshape([-1])),
+            ("d W_q", flat(module.query.weight.grad(&grads).unwrap())),
+            ("d W_k", flat(module.key.weight.grad(&grads).unwrap())),
+            ("d W_v", flat(module.value.weight.grad(&grads).unwrap())),
+            ("d W_o", flat(module.output.weight.grad(&grads).unwrap())),
+        ];
+        if let Some(bias_k) = &module.bias_k {
+            named.push(("d bias_k", bias_k.grad(&grads).unwrap()));
+        }
+        if let Some(memory) = &memory {
+            named.push(("d memory", memory.grad(&grads).unwrap().reshape([-1])));
+        }
+        named
     }
 }
 
@@ -508,7 +529,7 @@ fn flash_path_equals_explicit_path_on_threads() {
         if !flash_attention_supported(&device) {
             continue;
         }
-        device.seed(19);
+        let _seed = common::seed(&device, 19);
         let module = MultiHeadAttentionConfig::new(64, 4)
             .with_n_kv_heads(Some(2))
             .init(&device);
@@ -535,7 +556,7 @@ fn flash_path_equals_explicit_path_on_threads() {
             ]
         };
         let explicit = run(AttentionPath::Explicit);
-        let flash = run(AttentionPath::Flash(ChunkSizes::default()));
+        let flash = run(AttentionPath::Flash(BlockSizes::default()));
         for (what, (expected, actual)) in ["context", "d x", "d W_k", "d W_v"]
             .into_iter()
             .zip(explicit.into_iter().zip(flash))
@@ -558,12 +579,11 @@ fn flash_path_is_refused_clearly_where_it_cannot_run() {
         .with_quiet_softmax(true)
         .init(&device);
     let x = randn([1, 3, 8], &device);
-    let refused = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+    let message = common::panic_message(|| {
         module.forward(
-            MhaInput::self_attn(x.clone()).path(AttentionPath::Flash(ChunkSizes::default())),
+            MhaInput::self_attn(x.clone()).path(AttentionPath::Flash(BlockSizes::default())),
         )
-    }));
-    let message = *refused.unwrap_err().downcast::<String>().unwrap();
+    });
     assert!(
         message.contains("`AttentionPath::Flash` was forced but the softmax is quiet"),
         "{message}"
@@ -575,12 +595,11 @@ fn flash_path_is_refused_clearly_where_it_cannot_run() {
         let device = device.autodiff();
         let module = MultiHeadAttentionConfig::new(8, 2).init(&device);
         let x = randn([1, 3, 8], &device);
-        let refused = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let message = common::panic_message(|| {
             module.forward(
-                MhaInput::self_attn(x.clone()).path(AttentionPath::Flash(ChunkSizes::default())),
+                MhaInput::self_attn(x.clone()).path(AttentionPath::Flash(BlockSizes::default())),
             )
-        }));
-        let message = *refused.unwrap_err().downcast::<String>().unwrap();
+        });
         assert!(message.contains("has no flash kernel"), "{name}: {message}");
         let context = module.forward(MhaInput::self_attn(x).causal()).context;
         assert_eq!(context.dims(), [1, 3, 8], "{name}: `Auto` still trains");
@@ -591,7 +610,7 @@ fn flash_path_is_refused_clearly_where_it_cannot_run() {
 fn alibi_and_rope_positions_follow_the_cache() {
     // The same module, fed a prefix then one token, equals the full forward's last row.
     for (name, device) in test_devices() {
-        device.seed(17);
+        let _seed = common::seed(&device, 17);
         let module = MultiHeadAttentionConfig::new(8, 2)
             .with_alibi(true)
             .with_rope(Some(RopeConfig::new()))
@@ -613,4 +632,65 @@ fn alibi_and_rope_positions_follow_the_cache() {
             tolerance(name),
         );
     }
+}
+
+/// A cache belongs to the module that filled it: another module (other head widths or counts,
+/// or the same sizes with other weights) is refused with a message, never handed keys of
+/// another shape.
+#[test]
+fn a_cache_filled_by_one_module_is_refused_by_another() {
+    let device = Device::flex();
+    let owner = MultiHeadAttentionConfig::new(16, 4).init(&device);
+    let others = [
+        (
+            "wider heads",
+            MultiHeadAttentionConfig::new(16, 2).init(&device),
+        ),
+        (
+            "fewer query heads than the cache's key/value heads",
+            MultiHeadAttentionConfig::new(16, 2)
+                .with_n_kv_heads(Some(1))
+                .init(&device),
+        ),
+        (
+            "same sizes, other weights",
+            MultiHeadAttentionConfig::new(16, 4).init(&device),
+        ),
+    ];
+    let memory = randn([1, 5, 16], &device);
+    let cross = owner.cross_attention_cache(memory.clone(), memory.clone());
+    let mut cache = KvCache::new();
+    owner
+        .forward_cached(
+            MhaInput::self_attn(randn([1, 2, 16], &device)).causal(),
+            &mut cache,
+        )
+        .unwrap();
+    for (label, other) in others {
+        let message = common::panic_message(|| {
+            other.forward_cross_cached(randn([1, 1, 16], &device), &cross, NeedWeights::No)
+        });
+        assert!(
+            message.contains("projected by another module"),
+            "{label}: {message}"
+        );
+        let step =
+            other.forward_cached(MhaInput::self_attn(randn([1, 1, 16], &device)), &mut cache);
+        let error = step.expect_err(label);
+        assert!(
+            matches!(error, CacheError::OtherModule { .. }),
+            "{label}: {error}"
+        );
+        assert!(
+            error.to_string().contains("each layer needs its own cache"),
+            "{error}"
+        );
+        assert_eq!(cache.len(), 2, "{label}: the refused step changed nothing");
+    }
+    // A clone is the same module (same parameters), and may go on.
+    owner
+        .clone()
+        .forward_cached(MhaInput::self_attn(randn([1, 1, 16], &device)), &mut cache)
+        .unwrap();
+    assert_eq!(cache.len(), 3);
 }

@@ -1,0 +1,215 @@
+//! Which kernel one forward runs: the policy of [`AttentionPath::Auto`] (documented there, and
+//! only there), the checks of a forced path, and the backend facts they rest on.
+
+use burn::tensor::Device;
+
+use crate::flash::flash_attention_supported;
+use crate::input::{AttentionPath, BlockSizes, NeedWeights};
+
+/// Above this many score elements (`batch · n_heads · seq_q · seq_k`, 64 Mi: 256 MiB of f32
+/// scores), [`AttentionPath::Auto`] takes the chunked path on a device without autodiff and
+/// without the flash kernel whose fused attention op may materialise the scores (every backend
+/// but flex, whose fused op is already tiled).
+pub const CHUNKED_THRESHOLD: usize = 1 << 26;
+
+/// The chunked path's blocks when `Auto` takes it: larger query blocks than the flash op's
+/// default, since each block costs the chunked path a round of tensor operations.
+const CHUNKED_AUTO_BLOCKS: BlockSizes = BlockSizes {
+    query: 512,
+    key: 1024,
+};
+
+/// The implementation one forward uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Kernel {
+    Fused,
+    Explicit,
+    Chunked(BlockSizes),
+    Flash(BlockSizes),
+}
+
+/// What the kernel choice depends on, gathered from the module and the input.
+#[derive(Debug, Clone)]
+pub(crate) struct KernelRequest<'a> {
+    pub path: AttentionPath,
+    pub need_weights: NeedWeights,
+    /// Dropout changes the weights in this forward (training mode, autodiff device, p > 0).
+    pub dropout_active: bool,
+    pub quiet_softmax: bool,
+    /// The caller's float attention mask is a tensor that needs a gradient.
+    pub float_mask_requires_grad: bool,
+    /// `batch · n_heads · seq_q · seq_k`, appended keys included.
+    pub score_elements: usize,
+    pub device: &'a Device,
+}
+
+/// The kernel that runs `request`.
+///
+/// # Panics
+///
+/// If the request forces a path that cannot compute it (weights, dropout or a quiet softmax on
+/// anything but the explicit path; the flash path where it is not compiled or with a float
+/// mask that needs a gradient), or forces block sizes of zero.
+#[track_caller]
+pub(crate) fn choose_kernel(request: &KernelRequest) -> Kernel {
+    let explicit_only = explicit_only_reason(request);
+    let flash_blocker = explicit_only.or_else(|| flash_blocker(request));
+    let forced = |kernel: Kernel, name: &str, reason: Option<&str>| match reason {
+        None => kernel,
+        Some(reason) => panic!(
+            "MultiHeadAttention: `{name}` was forced but {reason}, which that kernel cannot do; \
+             use `AttentionPath::Auto` or `AttentionPath::Explicit`"
+        ),
+    };
+    match request.path {
+        AttentionPath::Explicit => Kernel::Explicit,
+        AttentionPath::Fused => forced(Kernel::Fused, "AttentionPath::Fused", explicit_only),
+        AttentionPath::Chunked(blocks) => {
+            check_blocks(blocks, "AttentionPath::Chunked");
+            forced(
+                Kernel::Chunked(blocks),
+                "AttentionPath::Chunked",
+                explicit_only,
+            )
+        }
+        AttentionPath::Flash(blocks) => {
+            check_blocks(blocks, "AttentionPath::Flash");
+            forced(Kernel::Flash(blocks), "AttentionPath::Flash", flash_blocker)
+        }
+        AttentionPath::Auto if explicit_only.is_some() => Kernel::Explicit,
+        // Where the flash kernel is compiled it runs natively on the backend's storage
+        // (`flash/cpu.rs`) and beats every other path at every size measured, inference and
+        // training, on flex and on ndarray (`cargo bench --workspace --bench table`).
+        AttentionPath::Auto if flash_blocker.is_none() => Kernel::Flash(BlockSizes::default()),
+        // Burn's autodiff runs the fused op as a decomposed fallback that scales and clamps the
+        // full score matrix; the explicit path scales the queries instead and uses the one-op
+        // softmax: 400 ms against 485 ms for a forward + backward at batch 4, 512 tokens,
+        // d_model 512, 8 heads on flex (`cargo bench --workspace --bench table`).
+        AttentionPath::Auto if request.device.is_autodiff() => Kernel::Explicit,
+        AttentionPath::Auto
+            if request.score_elements > CHUNKED_THRESHOLD && !runs_on_flex(request.device) =>
+        {
+            Kernel::Chunked(CHUNKED_AUTO_BLOCKS)
+        }
+        AttentionPath::Auto => Kernel::Fused,
+    }
+}
+
+/// Why only the explicit path can run the request, if it must.
+fn explicit_only_reason(request: &KernelRequest) -> Option<&'static str> {
+    if request.need_weights != NeedWeights::No {
+        Some("attention weights are requested")
+    } else if request.dropout_active {
+        Some("dropout is active")
+    } else if request.quiet_softmax {
+        Some("the softmax is quiet")
+    } else {
+        None
+    }
+}
+
+/// Why the flash kernel cannot run the request (besides [`explicit_only_reason`]), if it cannot.
+fn flash_blocker(request: &KernelRequest) -> Option<&'static str> {
+    if !flash_attention_supported(request.device) {
+        Some("this backend has no flash kernel (see `flash_attention_supported`)")
+    } else if request.float_mask_requires_grad {
+        Some("the float attention mask requires a gradient")
+    } else {
+        None
+    }
+}
+
+#[track_caller]
+fn check_blocks(blocks: BlockSizes, name: &str) {
+    assert!(
+        blocks.query > 0 && blocks.key > 0,
+        "MultiHeadAttention: `{name}` needs positive block sizes, got {blocks:?}"
+    );
+}
+
+/// Whether `device` (or the device under its autodiff) is flex, where two choices pay off that
+/// were measured nowhere else:
+/// - Where the flash kernel cannot run (a float mask that needs a gradient, or this crate's
+///   `flex` feature off), Burn's fused attention op is a kernel whose memory does not grow with
+///   `seq_q × seq_k` (it tiles keys with an online softmax above 256 Ki score elements per head,
+///   and at 8192 tokens runs in 2.5 s where the chunked path takes 4.6 s), so it needs no
+///   chunked path. Other backends may materialise the scores (ndarray always does).
+/// - Head-major projections (`MultiHeadAttention::project_heads`) feed its attention kernel
+///   faster; on ndarray they are slightly slower than a `Linear` and a split.
+///
+/// Burn exposes no backend query that compiles whatever backends are enabled, hence the
+/// device's `Debug` form (a test pins it).
+pub(crate) fn runs_on_flex(device: &Device) -> bool {
+    format!("{:?}", device.clone().inner()).starts_with("Device<Flex")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request(device: &Device) -> KernelRequest<'_> {
+        KernelRequest {
+            path: AttentionPath::Auto,
+            need_weights: NeedWeights::No,
+            dropout_active: false,
+            quiet_softmax: false,
+            float_mask_requires_grad: false,
+            score_elements: 1,
+            device,
+        }
+    }
+
+    /// Pins the `Debug` form `runs_on_flex` reads, so that a Burn upgrade that changes it
+    /// fails here rather than silently sending flex to the slower chunked path.
+    #[test]
+    fn flex_is_recognised_and_ndarray_is_not() {
+        assert!(runs_on_flex(&Device::flex()));
+        assert!(runs_on_flex(&Device::flex().autodiff()));
+        #[allow(deprecated)]
+        let ndarray = Device::ndarray();
+        assert!(!runs_on_flex(&ndarray));
+    }
+
+    #[test]
+    fn auto_takes_the_explicit_path_for_weights_dropout_and_quiet_softmax() {
+        let device = Device::flex().autodiff();
+        let base = request(&device);
+        let cases = [
+            KernelRequest {
+                need_weights: NeedWeights::Averaged,
+                ..base.clone()
+            },
+            KernelRequest {
+                dropout_active: true,
+                ..base.clone()
+            },
+            KernelRequest {
+                quiet_softmax: true,
+                ..base.clone()
+            },
+        ];
+        for case in cases {
+            assert_eq!(choose_kernel(&case), Kernel::Explicit, "{case:?}");
+        }
+        assert_eq!(
+            choose_kernel(&base),
+            Kernel::Flash(BlockSizes::default()),
+            "flex trains on the flash kernel"
+        );
+        let mask_needs_grad = KernelRequest {
+            float_mask_requires_grad: true,
+            ..base
+        };
+        assert_eq!(choose_kernel(&mask_needs_grad), Kernel::Explicit);
+    }
+
+    #[test]
+    #[should_panic(expected = "`AttentionPath::Chunked` needs positive block sizes")]
+    fn zero_block_sizes_are_refused() {
+        let device = Device::flex();
+        choose_kernel(&KernelRequest {
+            path: AttentionPath::Chunked(BlockSizes { query: 0, key: 4 }),
+            ..request(&device)
+        });
+    }
+}

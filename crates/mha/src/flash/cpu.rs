@@ -1,0 +1,1010 @@
+//! The flash op on the f32 storage of the CPU backends (flex, ndarray): the computation of
+//! `generic.rs`, with the matmuls handed to the `gemm` crate (flex's own GEMM) on strided views
+//! (no transposed or head-split copies), the scale folded into the score GEMM, a vectorised
+//! `exp`, keys past a query block's causal horizon never computed, results written
+//! sequence-major (the layout the head merge reads without a copy), and every intermediate in
+//! one reused per-thread buffer instead of fresh tensors.
+//!
+//! Each query block takes all its visible keys in one pass (a `query block × keys` score
+//! buffer per thread), so a row's softmax needs no running rescale.
+//!
+//! Parallel over `(batch, head)` in the forward and over `(batch, key/value head)` in the
+//! backward, where each task owns its key/value gradients outright.
+//!
+//! Soundness: every matrix a GEMM reads or writes ([`Matrix`], [`MatrixMut`]) is checked, when
+//! it is made, to lie inside the buffer it borrows; the entry points check the inputs' shapes
+//! against each other ([`FlashInputs::geometry`]). The one obligation left to callers is that
+//! two tasks never take the same head of a shared output buffer ([`SharedBuffer::matrix`]).
+
+use std::marker::PhantomData;
+
+use burn::backend::tensor::FloatTensor;
+use burn::backend::{Backend, DType, TensorData, TensorMetadata};
+use rayon::prelude::*;
+
+use super::simd;
+use super::{FlashForward, FlashGrads, FlashInputs, FlashParams, FlashState};
+use crate::geometry::Geometry;
+
+/// A CPU backend whose float tensors this kernel reads and writes in place.
+pub(crate) trait CpuStorage: Backend {
+    /// `tensor` itself, or a copy in a layout [`CpuStorage::strided`] reads, for f32.
+    fn readable(tensor: &FloatTensor<Self>) -> Option<FloatTensor<Self>>;
+
+    /// The f32 elements from the tensor's first one on, and its four strides, if all are
+    /// non-negative and the last is 1.
+    fn strided(tensor: &FloatTensor<Self>) -> Option<(&[f32], [usize; 4])>;
+
+    /// A tensor of logical shape `[batch, heads, seq, dim]` over `values` laid out
+    /// `[batch, seq, heads, dim]`.
+    fn sequence_major(values: Vec<f32>, shape: [usize; 4]) -> FloatTensor<Self>;
+}
+
+#[cfg(feature = "flex")]
+impl CpuStorage for burn::backend::Flex {
+    fn readable(tensor: &FloatTensor<Self>) -> Option<FloatTensor<Self>> {
+        if tensor.dtype() != DType::F32 {
+            return None;
+        }
+        Some(match Self::strided(tensor) {
+            Some(_) => tensor.clone(),
+            None => tensor.to_contiguous(),
+        })
+    }
+
+    fn strided(tensor: &FloatTensor<Self>) -> Option<(&[f32], [usize; 4])> {
+        if tensor.dtype() != DType::F32 {
+            return None;
+        }
+        let layout = tensor.layout();
+        let strides = layout.strides();
+        if strides.len() != 4 || strides[3] != 1 || strides.iter().any(|&s| s < 0) {
+            return None;
+        }
+        let values = tensor.storage::<f32>().get(layout.start_offset()..)?;
+        Some((values, [0, 1, 2, 3].map(|axis| strides[axis] as usize)))
+    }
+
+    fn sequence_major(values: Vec<f32>, shape: [usize; 4]) -> FloatTensor<Self> {
+        use burn::backend::flex::{FlexTensor, Layout};
+        let [_, heads, seq, dim] = shape;
+        let strides = [seq * heads * dim, dim, heads * dim, 1].map(|s| s as isize);
+        FlexTensor::new(
+            burn::backend::Bytes::from_elems(values),
+            Layout::new(burn::backend::Shape::new(shape), strides.to_vec(), 0),
+            DType::F32,
+        )
+    }
+}
+
+#[cfg(feature = "ndarray")]
+impl CpuStorage for burn::backend::NdArray {
+    fn readable(tensor: &FloatTensor<Self>) -> Option<FloatTensor<Self>> {
+        use burn::backend::ndarray::NdArrayTensor;
+        let NdArrayTensor::F32(storage) = tensor else {
+            return None;
+        };
+        Some(match Self::strided(tensor) {
+            Some(_) => tensor.clone(),
+            None => NdArrayTensor::from(
+                storage
+                    .view()
+                    .as_standard_layout()
+                    .into_owned()
+                    .into_shared(),
+            ),
+        })
+    }
+
+    fn strided(tensor: &FloatTensor<Self>) -> Option<(&[f32], [usize; 4])> {
+        let burn::backend::ndarray::NdArrayTensor::F32(storage) = tensor else {
+            return None;
+        };
+        let view = storage.view();
+        let (shape, strides) = (view.shape(), view.strides());
+        if strides.len() != 4 || strides[3] != 1 || strides.iter().any(|&s| s < 0) {
+            return None;
+        }
+        let extent = 1
+            + (0..4)
+                .map(|axis| shape[axis].saturating_sub(1) * strides[axis] as usize)
+                .sum::<usize>();
+        // SAFETY: the view's elements lie in `extent` elements from its first one (non-negative
+        // strides), all inside `storage`, which the returned slice borrows.
+        let values = unsafe { std::slice::from_raw_parts(view.as_ptr(), extent) };
+        Some((values, [0, 1, 2, 3].map(|axis| strides[axis] as usize)))
+    }
+
+    fn sequence_major(values: Vec<f32>, shape: [usize; 4]) -> FloatTensor<Self> {
+        use burn::backend::ndarray::NdArrayTensor;
+        use ndarray::{ArcArray, IxDyn, ShapeBuilder};
+        let [_, heads, seq, dim] = shape;
+        let strides = [seq * heads * dim, dim, heads * dim, 1];
+        let array = ArcArray::from_shape_vec(IxDyn(&shape).strides(IxDyn(&strides)), values)
+            .expect("sequence-major strides fit the buffer");
+        NdArrayTensor::from(array)
+    }
+}
+
+/// The forward on f32 storage; `None` for inputs it does not take (another dtype), which the
+/// generic body then computes.
+///
+/// # Panics
+///
+/// If the inputs' shapes do not fit together ([`FlashInputs::geometry`]).
+pub(super) fn forward<B: CpuStorage>(inputs: &FlashInputs<B>) -> Option<FlashForward<B>> {
+    let geometry = inputs.geometry();
+    let readable = Readable::of(inputs)?;
+    let kernel = Kernel::new(&readable, geometry, inputs.params)?;
+    let Geometry {
+        batch,
+        n_heads,
+        seq_q,
+        value_dim,
+        ..
+    } = geometry;
+    let output_shape = [batch, n_heads, seq_q, value_dim];
+    let mut output = vec![0.0f32; batch * n_heads * seq_q * value_dim];
+    // Per query: the score maximum and the inverse sum of exponentials.
+    let mut softmax_stats = vec![0.0f32; batch * n_heads * seq_q * 2];
+    let shared_output = SharedBuffer::new(&mut output);
+    for_each_task(
+        softmax_stats.chunks_mut(seq_q * 2).enumerate().collect(),
+        kernel.parallel(),
+        ForwardScratch::default,
+        |scratch, (index, head_stats)| {
+            let (b, h) = (index / n_heads, index % n_heads);
+            // SAFETY: task `index` alone takes head (b, h) of the output.
+            let mut head_output = unsafe { shared_output.head(output_shape, b, h) };
+            kernel.forward_head(scratch, (b, h), head_stats, &mut head_output);
+        },
+    );
+    Some(FlashForward {
+        output: B::sequence_major(output, output_shape),
+        softmax_stats: B::float_from_data(
+            TensorData::new(softmax_stats, [batch, n_heads, seq_q, 2]),
+            &inputs.query.device(),
+        ),
+    })
+}
+
+/// The backward on f32 storage; `None` for inputs it does not take.
+///
+/// # Panics
+///
+/// If the inputs' shapes do not fit together, or the output gradient's shape is not the
+/// output's.
+pub(super) fn backward<B: CpuStorage>(
+    state: &FlashState<B>,
+    output_grad: &FloatTensor<B>,
+) -> Option<FlashGrads<B>> {
+    let inputs = &state.inputs;
+    let geometry = inputs.geometry();
+    state.check_output_grad(output_grad);
+    let readable = Readable::of(inputs)?;
+    let kernel = Kernel::new(&readable, geometry, inputs.params)?;
+    let saved = [
+        B::readable(output_grad)?,
+        B::readable(&state.softmax_stats)?,
+    ];
+    let [output_grad, softmax_stats] = [0, 1].map(|i| HeadsView::of::<B>(&saved[i]));
+    let rows = SavedRows {
+        output_grad: output_grad?,
+        softmax_stats: softmax_stats?,
+    };
+    let Geometry {
+        batch,
+        n_heads,
+        n_kv_heads,
+        seq_q,
+        seq_k,
+        head_dim,
+        value_dim,
+    } = geometry;
+    let shapes = GradShapes {
+        query: [batch, n_heads, seq_q, head_dim],
+        key: [batch, n_kv_heads, seq_k, head_dim],
+        value: [batch, n_kv_heads, seq_k, value_dim],
+    };
+    let mut query_grad = vec![0.0f32; batch * n_heads * seq_q * head_dim];
+    // GEMMs accumulate into these, so they are filled with -0.0 (-0.0 + x = x): zeros would be
+    // untouched pages that the first accumulating read maps to the shared zero page, and the
+    // write after it would then take a copy-on-write fault and a TLB shootdown of every other
+    // core, page by page (15% of a training step at batch 4, 512 tokens, d_model 512).
+    let mut key_grad = vec![-0.0f32; batch * n_kv_heads * seq_k * head_dim];
+    let mut value_grad = vec![-0.0f32; batch * n_kv_heads * seq_k * value_dim];
+    let buffers = GradBuffers {
+        query: SharedBuffer::new(&mut query_grad),
+        key: SharedBuffer::new(&mut key_grad),
+        value: SharedBuffer::new(&mut value_grad),
+    };
+    for_each_task(
+        (0..batch * n_kv_heads).collect(),
+        kernel.parallel(),
+        BackwardScratch::default,
+        |scratch, index| {
+            let (b, kv_head) = (index / n_kv_heads, index % n_kv_heads);
+            // SAFETY: task `index` alone takes key/value head (b, kv_head) of the key and value
+            // gradients, and the query heads of its group of the query gradient.
+            let mut grads = unsafe { buffers.of_kv_head(&shapes, &geometry, b, kv_head) };
+            kernel.backward_kv_head(scratch, &rows, (b, kv_head), &mut grads);
+        },
+    );
+    Some(FlashGrads {
+        query: B::sequence_major(query_grad, shapes.query),
+        key: B::sequence_major(key_grad, shapes.key),
+        value: B::sequence_major(value_grad, shapes.value),
+    })
+}
+
+/// The inputs in layouts [`HeadsView`] reads: query, key, value, and the masks as f32 (the
+/// forbidden pairs as 1.0 flags).
+struct Readable<B: CpuStorage> {
+    heads: [FloatTensor<B>; 3],
+    bias: Option<FloatTensor<B>>,
+    forbid: Option<FloatTensor<B>>,
+}
+
+impl<B: CpuStorage> Readable<B> {
+    /// `None` for a dtype this kernel does not take.
+    fn of(inputs: &FlashInputs<B>) -> Option<Self> {
+        let bias = match &inputs.bias {
+            Some(bias) => Some(B::readable(bias)?),
+            None => None,
+        };
+        let forbid = match &inputs.forbid {
+            Some(forbid) => Some(B::readable(&B::bool_into_float(
+                forbid.clone(),
+                DType::F32.into(),
+            ))?),
+            None => None,
+        };
+        Some(Self {
+            heads: [
+                B::readable(&inputs.query)?,
+                B::readable(&inputs.key)?,
+                B::readable(&inputs.value)?,
+            ],
+            bias,
+            forbid,
+        })
+    }
+}
+
+/// A `[batch, heads, seq, dim]` f32 tensor read in place through its strides: the heads that
+/// `Linear` + split produce (`[batch, seq, heads, dim]` memory) need no copy.
+struct HeadsView<'a> {
+    values: &'a [f32],
+    shape: [usize; 4],
+    strides: [usize; 4],
+}
+
+impl<'a> HeadsView<'a> {
+    fn of<B: CpuStorage>(readable: &'a FloatTensor<B>) -> Option<Self> {
+        let (values, strides) = B::strided(readable)?;
+        let shape = readable.shape();
+        let shape = [shape[0], shape[1], shape[2], shape[3]];
+        let last = (0..4)
+            .map(|axis| shape[axis].saturating_sub(1) * strides[axis])
+            .sum::<usize>();
+        assert!(
+            last < values.len(),
+            "flash attention: a tensor's strides reach past its storage"
+        );
+        Some(Self {
+            values,
+            shape,
+            strides,
+        })
+    }
+
+    /// Head `(batch, head)` as a `[seq, dim]` matrix.
+    fn head(&self, batch: usize, head: usize) -> Matrix<'a> {
+        let [_, _, seq, dim] = self.shape;
+        assert!(batch < self.shape[0] && head < self.shape[1]);
+        let start = batch * self.strides[0] + head * self.strides[1];
+        Matrix::new(&self.values[start..], seq, dim, self.strides[2], 1)
+    }
+
+    /// Row `row` of head `(batch, head)`.
+    fn row(&self, batch: usize, head: usize, row: usize) -> &'a [f32] {
+        let [_, _, seq, dim] = self.shape;
+        assert!(batch < self.shape[0] && head < self.shape[1] && row < seq);
+        let start = batch * self.strides[0] + head * self.strides[1] + row * self.strides[2];
+        &self.values[start..start + dim]
+    }
+}
+
+/// A mask (`[batch | 1, heads | 1, seq_q | 1, seq_k | 1]`) read in place, with stride 0 on its
+/// broadcast axes.
+struct BroadcastView<'a> {
+    values: &'a [f32],
+    strides: [usize; 4],
+}
+
+/// One query's row of a [`BroadcastView`].
+enum BroadcastRow<'a> {
+    /// The same value for every key.
+    Scalar(f32),
+    Keys(&'a [f32]),
+}
+
+impl<'a> BroadcastView<'a> {
+    /// # Panics
+    ///
+    /// If the mask does not broadcast to `full`.
+    fn of<B: CpuStorage>(readable: &'a FloatTensor<B>, full: [usize; 4]) -> Self {
+        let shape = readable.shape();
+        let (values, read_strides) = B::strided(readable).expect("made readable");
+        assert!(
+            (0..4).all(|axis| shape[axis] == full[axis] || shape[axis] == 1),
+            "flash attention: mask {shape:?} does not broadcast to {full:?}"
+        );
+        let strides = [0, 1, 2, 3].map(|axis| match shape[axis] {
+            1 => 0,
+            _ => read_strides[axis],
+        });
+        let last = (0..4)
+            .map(|axis| full[axis].saturating_sub(1) * strides[axis])
+            .sum::<usize>();
+        assert!(
+            last < values.len(),
+            "flash attention: a mask's strides reach past its storage"
+        );
+        Self { values, strides }
+    }
+
+    /// The first `keys` entries of query `query`'s row in head `(batch, head)`.
+    fn row(&self, batch: usize, head: usize, query: usize, keys: usize) -> BroadcastRow<'a> {
+        let [batch_stride, head_stride, query_stride, key_stride] = self.strides;
+        let start = batch * batch_stride + head * head_stride + query * query_stride;
+        match key_stride {
+            0 => BroadcastRow::Scalar(self.values[start]),
+            _ => BroadcastRow::Keys(&self.values[start..start + keys]),
+        }
+    }
+}
+
+/// A read-only strided matrix inside a borrowed buffer: element `(i, j)` at
+/// `values[i · row_stride + j · column_stride]`, every one of which was checked to lie in
+/// `values` when the matrix was made.
+#[derive(Clone, Copy)]
+struct Matrix<'a> {
+    values: &'a [f32],
+    rows: usize,
+    columns: usize,
+    row_stride: usize,
+    column_stride: usize,
+}
+
+impl<'a> Matrix<'a> {
+    /// # Panics
+    ///
+    /// If an element lies outside `values`.
+    fn new(
+        values: &'a [f32],
+        rows: usize,
+        columns: usize,
+        row_stride: usize,
+        column_stride: usize,
+    ) -> Self {
+        let matrix = Self {
+            values,
+            rows,
+            columns,
+            row_stride,
+            column_stride,
+        };
+        assert!(
+            matrix.fits(values.len()),
+            "flash attention: a {rows}x{columns} matrix does not fit its buffer"
+        );
+        matrix
+    }
+
+    /// Whether every element lies below `length`.
+    fn fits(&self, length: usize) -> bool {
+        self.rows == 0
+            || self.columns == 0
+            || (self.rows - 1) * self.row_stride + (self.columns - 1) * self.column_stride < length
+    }
+
+    fn transposed(self) -> Self {
+        Self {
+            rows: self.columns,
+            columns: self.rows,
+            row_stride: self.column_stride,
+            column_stride: self.row_stride,
+            ..self
+        }
+    }
+
+    /// Rows `start..start + count`.
+    ///
+    /// # Panics
+    ///
+    /// If they are not rows of the matrix.
+    fn rows(self, start: usize, count: usize) -> Self {
+        assert!(
+            start + count <= self.rows,
+            "flash attention: rows out of the matrix"
+        );
+        let offset = if count == 0 {
+            0
+        } else {
+            start * self.row_stride
+        };
+        Self::new(
+            &self.values[offset..],
+            count,
+            self.columns,
+            self.row_stride,
+            self.column_stride,
+        )
+    }
+}
+
+/// A writable matrix with unit column stride: element `(i, j)` at `pointer + i · row_stride +
+/// j`, every one of which was checked, when the matrix was made, to lie in the buffer it
+/// borrows, and which no other live matrix reaches.
+struct MatrixMut<'a> {
+    pointer: *mut f32,
+    rows: usize,
+    columns: usize,
+    row_stride: usize,
+    buffer: PhantomData<&'a mut [f32]>,
+}
+
+impl<'a> MatrixMut<'a> {
+    /// # Panics
+    ///
+    /// If an element lies outside `values`.
+    fn from_slice(values: &'a mut [f32], rows: usize, columns: usize, row_stride: usize) -> Self {
+        Matrix::new(values, rows, columns, row_stride, 1);
+        Self {
+            pointer: values.as_mut_ptr(),
+            rows,
+            columns,
+            row_stride,
+            buffer: PhantomData,
+        }
+    }
+
+    /// Rows `start..start + count`, borrowed from this matrix.
+    ///
+    /// # Panics
+    ///
+    /// If they are not rows of the matrix.
+    fn rows(&mut self, start: usize, count: usize) -> MatrixMut<'_> {
+        assert!(
+            start + count <= self.rows,
+            "flash attention: rows out of the matrix"
+        );
+        MatrixMut {
+            // SAFETY: row `start` lies in the buffer (checked extent; `start < rows` when
+            // `count > 0`, and the pointer is not used when `count == 0`).
+            pointer: unsafe {
+                self.pointer.add(if count == 0 {
+                    0
+                } else {
+                    start * self.row_stride
+                })
+            },
+            rows: count,
+            columns: self.columns,
+            row_stride: self.row_stride,
+            buffer: PhantomData,
+        }
+    }
+
+    /// Row `row`.
+    ///
+    /// # Panics
+    ///
+    /// If it is not a row of the matrix.
+    fn row(&mut self, row: usize) -> &mut [f32] {
+        assert!(row < self.rows, "flash attention: row out of the matrix");
+        // SAFETY: the row's elements lie in the checked extent, which this matrix alone reaches
+        // while the returned slice borrows it.
+        unsafe {
+            std::slice::from_raw_parts_mut(self.pointer.add(row * self.row_stride), self.columns)
+        }
+    }
+}
+
+/// A `[batch, seq, heads, dim]` buffer (sequence-major: the layout the head merge and
+/// `Linear`'s backward read without a copy) shared by the tasks of one call, each of which
+/// writes its own heads. A head's rows interleave with the other heads', so the tasks cannot
+/// split the buffer into slices.
+struct SharedBuffer<'a> {
+    pointer: *mut f32,
+    length: usize,
+    buffer: PhantomData<&'a mut [f32]>,
+}
+
+// SAFETY: the buffer is only reached through `SharedBuffer::head`, whose contract gives each
+// head to one task at a time.
+unsafe impl Send for SharedBuffer<'_> {}
+// SAFETY: as above.
+unsafe impl Sync for SharedBuffer<'_> {}
+
+impl<'a> SharedBuffer<'a> {
+    fn new(values: &'a mut [f32]) -> Self {
+        Self {
+            pointer: values.as_mut_ptr(),
+            length: values.len(),
+            buffer: PhantomData,
+        }
+    }
+
+    /// Head `(batch, head)` of the buffer seen as logical shape `[batch, heads, seq, dim]`, as a
+    /// `[seq, dim]` matrix.
+    ///
+    /// # Panics
+    ///
+    /// If the shape does not fit the buffer or the head is not in it.
+    ///
+    /// # Safety
+    ///
+    /// While the returned matrix lives, no other matrix of this buffer may be of the same head.
+    unsafe fn head(
+        &self,
+        [batches, heads, seq, dim]: [usize; 4],
+        batch: usize,
+        head: usize,
+    ) -> MatrixMut<'_> {
+        assert!(
+            batch < batches && head < heads && batches * heads * seq * dim <= self.length,
+            "flash attention: head ({batch}, {head}) is not in a {:?} buffer of {} elements",
+            [batches, heads, seq, dim],
+            self.length
+        );
+        let start = (batch * seq * heads + head) * dim;
+        MatrixMut {
+            // SAFETY: `start` and every element of the head lie below `length` (checked above:
+            // the last is `start + (seq - 1) · heads · dim + dim - 1 < batches · seq · heads ·
+            // dim`).
+            pointer: unsafe { self.pointer.add(start) },
+            rows: seq,
+            columns: dim,
+            row_stride: heads * dim,
+            buffer: PhantomData,
+        }
+    }
+}
+
+/// `dst (+)= beta · lhs · rhs`.
+///
+/// # Panics
+///
+/// If the three matrices' sizes do not fit a product.
+fn gemm(dst: &mut MatrixMut, accumulate: bool, lhs: Matrix, rhs: Matrix, beta: f32) {
+    assert!(
+        lhs.rows == dst.rows && rhs.columns == dst.columns && lhs.columns == rhs.rows,
+        "flash attention: a {}x{} by {}x{} product into {}x{}",
+        lhs.rows,
+        lhs.columns,
+        rhs.rows,
+        rhs.columns,
+        dst.rows,
+        dst.columns
+    );
+    if dst.rows == 0 || dst.columns == 0 {
+        return;
+    }
+    // SAFETY: every element the strides reach lies in its buffer (checked when each matrix was
+    // made), and `dst` is borrowed mutably from a buffer no `Matrix` reads.
+    unsafe {
+        gemm::gemm(
+            dst.rows,
+            dst.columns,
+            lhs.columns,
+            dst.pointer,
+            1,
+            dst.row_stride as isize,
+            accumulate,
+            lhs.values.as_ptr(),
+            lhs.column_stride as isize,
+            lhs.row_stride as isize,
+            rhs.values.as_ptr(),
+            rhs.column_stride as isize,
+            rhs.row_stride as isize,
+            1.0,
+            beta,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        );
+    }
+}
+
+/// Runs `task(scratch, item)` for every item, on rayon's threads when `parallel`, each thread
+/// with its own scratch from `init`.
+fn for_each_task<T: Send, S>(
+    items: Vec<T>,
+    parallel: bool,
+    init: impl Fn() -> S + Sync + Send,
+    task: impl Fn(&mut S, T) + Sync + Send,
+) {
+    if parallel {
+        items.into_par_iter().for_each_init(init, task);
+    } else {
+        let mut scratch = init();
+        items.into_iter().for_each(|item| task(&mut scratch, item));
+    }
+}
+
+/// One call's inputs as views, and what it computes with them.
+struct Kernel<'a> {
+    geometry: Geometry,
+    params: FlashParams,
+    query: HeadsView<'a>,
+    key: HeadsView<'a>,
+    value: HeadsView<'a>,
+    bias: Option<BroadcastView<'a>>,
+    forbid: Option<BroadcastView<'a>>,
+}
+
+#[derive(Default)]
+struct ForwardScratch {
+    scores: Vec<f32>,
+    inverse_sums: Vec<f32>,
+}
+
+#[derive(Default)]
+struct BackwardScratch {
+    probabilities: Vec<f32>,
+    score_grads: Vec<f32>,
+}
+
+/// What the backward reads of the forward and of the output gradient.
+struct SavedRows<'a> {
+    output_grad: HeadsView<'a>,
+    /// `[batch, n_heads, seq_q, 2]`: maximum and inverse sum per query.
+    softmax_stats: HeadsView<'a>,
+}
+
+struct GradShapes {
+    query: [usize; 4],
+    key: [usize; 4],
+    value: [usize; 4],
+}
+
+struct GradBuffers<'a> {
+    query: SharedBuffer<'a>,
+    key: SharedBuffer<'a>,
+    value: SharedBuffer<'a>,
+}
+
+/// One backward task's gradients: the query heads of a group, and their key/value head's.
+struct KvHeadGrads<'a> {
+    query: Vec<MatrixMut<'a>>,
+    key: MatrixMut<'a>,
+    value: MatrixMut<'a>,
+}
+
+impl GradBuffers<'_> {
+    /// # Safety
+    ///
+    /// No other live matrix of these buffers is of key/value head `(batch, kv_head)` or of one
+    /// of its query heads.
+    unsafe fn of_kv_head(
+        &self,
+        shapes: &GradShapes,
+        geometry: &Geometry,
+        batch: usize,
+        kv_head: usize,
+    ) -> KvHeadGrads<'_> {
+        let groups = geometry.groups();
+        // SAFETY: the caller's contract, head by head.
+        unsafe {
+            KvHeadGrads {
+                query: (kv_head * groups..(kv_head + 1) * groups)
+                    .map(|head| self.query.head(shapes.query, batch, head))
+                    .collect(),
+                key: self.key.head(shapes.key, batch, kv_head),
+                value: self.value.head(shapes.value, batch, kv_head),
+            }
+        }
+    }
+}
+
+impl<'a> Kernel<'a> {
+    /// `None` when a tensor is not in a layout the views read.
+    fn new<B: CpuStorage>(
+        readable: &'a Readable<B>,
+        geometry: Geometry,
+        params: FlashParams,
+    ) -> Option<Self> {
+        let [query, key, value] = &readable.heads;
+        let full = [
+            geometry.batch,
+            geometry.n_heads,
+            geometry.seq_q,
+            geometry.seq_k,
+        ];
+        Some(Self {
+            geometry,
+            params,
+            query: HeadsView::of::<B>(query)?,
+            key: HeadsView::of::<B>(key)?,
+            value: HeadsView::of::<B>(value)?,
+            bias: readable
+                .bias
+                .as_ref()
+                .map(|bias| BroadcastView::of::<B>(bias, full)),
+            forbid: readable
+                .forbid
+                .as_ref()
+                .map(|forbid| BroadcastView::of::<B>(forbid, full)),
+        })
+    }
+
+    /// Whether the call is worth rayon's threads: a decoding step (one query) is not.
+    fn parallel(&self) -> bool {
+        let g = &self.geometry;
+        let work = g.score_elements() * (g.head_dim + g.value_dim);
+        g.batch * g.n_heads > 1 && work >= 1 << 22
+    }
+
+    /// Query `query` sees keys `0..key_end(query)`.
+    fn key_end(&self, query: usize) -> usize {
+        match self.params.causal {
+            true => self.geometry.causal_key_end(query),
+            false => self.geometry.seq_k,
+        }
+    }
+
+    /// Query blocks `(start, length)`.
+    fn query_blocks(&self) -> impl Iterator<Item = (usize, usize)> + use<> {
+        let (seq_q, block) = (self.geometry.seq_q, self.params.blocks.query);
+        (0..seq_q)
+            .step_by(block)
+            .map(move |start| (start, block.min(seq_q - start)))
+    }
+
+    /// `scores` ← the `[q_len, keys]` score block of queries `q_start..q_start + q_len` of head
+    /// `(b, h)` over keys `0..keys`: `scale · Q Kᵀ + bias`, forbidden and causal-future keys at
+    /// `-inf`.
+    fn score_block(
+        &self,
+        scores: &mut Vec<f32>,
+        (b, h): (usize, usize),
+        (q_start, q_len): (usize, usize),
+        keys: usize,
+    ) {
+        scores.clear();
+        scores.resize(q_len * keys, 0.0);
+        let query = self.query.head(b, h).rows(q_start, q_len);
+        let key = self.key.head(b, self.geometry.kv_head(h)).rows(0, keys);
+        let mut block = MatrixMut::from_slice(scores, q_len, keys, keys);
+        gemm(
+            &mut block,
+            false,
+            query,
+            key.transposed(),
+            self.params.scale as f32,
+        );
+        for (row, row_scores) in scores.chunks_exact_mut(keys).enumerate() {
+            self.mask_row(row_scores, (b, h), q_start + row);
+        }
+    }
+
+    /// Adds the bias to one query's scores, then hides its forbidden and causal-future keys.
+    /// Hiding replaces the score, so that a forbidden key drops out whatever its score.
+    fn mask_row(&self, scores: &mut [f32], (b, h): (usize, usize), query: usize) {
+        let keys = scores.len();
+        if let Some(bias) = &self.bias {
+            match bias.row(b, h, query, keys) {
+                BroadcastRow::Scalar(value) => scores.iter_mut().for_each(|s| *s += value),
+                BroadcastRow::Keys(row) => scores.iter_mut().zip(row).for_each(|(s, v)| *s += v),
+            }
+        }
+        if let Some(forbid) = &self.forbid {
+            match forbid.row(b, h, query, keys) {
+                BroadcastRow::Scalar(flag) if flag != 0.0 => scores.fill(f32::NEG_INFINITY),
+                BroadcastRow::Scalar(_) => {}
+                BroadcastRow::Keys(flags) => {
+                    for (score, &flag) in scores.iter_mut().zip(flags) {
+                        if flag != 0.0 {
+                            *score = f32::NEG_INFINITY;
+                        }
+                    }
+                }
+            }
+        }
+        scores[self.key_end(query).min(keys)..].fill(f32::NEG_INFINITY);
+    }
+
+    /// `stats` holds the head's softmax statistics, `[seq_q, 2]` flattened.
+    fn forward_head(
+        &self,
+        scratch: &mut ForwardScratch,
+        head: (usize, usize),
+        stats: &mut [f32],
+        output: &mut MatrixMut,
+    ) {
+        for (q_start, q_len) in self.query_blocks() {
+            self.forward_query_block(
+                scratch,
+                head,
+                (q_start, q_len),
+                &mut stats[2 * q_start..2 * (q_start + q_len)],
+                &mut output.rows(q_start, q_len),
+            );
+        }
+    }
+
+    /// Writes one query block's output rows and softmax statistics (`[q_len, 2]`: maximum,
+    /// inverse sum).
+    fn forward_query_block(
+        &self,
+        scratch: &mut ForwardScratch,
+        head: (usize, usize),
+        queries: (usize, usize),
+        stats: &mut [f32],
+        output: &mut MatrixMut,
+    ) {
+        let (q_start, q_len) = queries;
+        let keys = self.key_end(q_start + q_len - 1);
+        if keys == 0 {
+            // No query of the block sees a key: zero output (the buffer starts at zero) and
+            // statistics that make every recomputed probability 0.
+            for row_stats in stats.chunks_exact_mut(2) {
+                row_stats.copy_from_slice(&[f32::MIN, 0.0]);
+            }
+            return;
+        }
+        let ForwardScratch {
+            scores,
+            inverse_sums,
+        } = scratch;
+        self.score_block(scores, head, queries, keys);
+        inverse_sums.clear();
+        for (row_scores, row_stats) in scores.chunks_exact_mut(keys).zip(stats.chunks_exact_mut(2))
+        {
+            let (max, inverse_sum) = softmax_numerators(row_scores);
+            inverse_sums.push(inverse_sum);
+            row_stats.copy_from_slice(&[max, inverse_sum]);
+        }
+        // O = P V, then each row divided by its sum.
+        let value = self
+            .value
+            .head(head.0, self.geometry.kv_head(head.1))
+            .rows(0, keys);
+        gemm(
+            output,
+            false,
+            Matrix::new(scores, q_len, keys, keys, 1),
+            value,
+            1.0,
+        );
+        for (row, inverse_sum) in inverse_sums.iter().enumerate() {
+            output.row(row).iter_mut().for_each(|x| *x *= inverse_sum);
+        }
+    }
+
+    /// Every query head of key/value head `(b, kv_head)`: its query gradients, and its share of
+    /// the key/value head's.
+    fn backward_kv_head(
+        &self,
+        scratch: &mut BackwardScratch,
+        rows: &SavedRows,
+        (b, kv_head): (usize, usize),
+        grads: &mut KvHeadGrads,
+    ) {
+        let groups = self.geometry.groups();
+        for (group_index, query_grad) in grads.query.iter_mut().enumerate() {
+            let h = kv_head * groups + group_index;
+            for queries in self.query_blocks() {
+                let mut block_grads = BlockGrads {
+                    query: query_grad.rows(queries.0, queries.1),
+                    key: &mut grads.key,
+                    value: &mut grads.value,
+                };
+                self.backward_query_block(scratch, rows, (b, h), queries, &mut block_grads);
+            }
+        }
+    }
+
+    /// One query block of head `(b, h)`: `P = exp(S - max) / Σ`, `dV += Pᵀ dO`,
+    /// `dS = P ∘ (dO Vᵀ - rowsum(P ∘ dO Vᵀ))`, `dQ = scale · dS K`, `dK += scale · dSᵀ Q`.
+    fn backward_query_block(
+        &self,
+        scratch: &mut BackwardScratch,
+        rows: &SavedRows,
+        (b, h): (usize, usize),
+        queries: (usize, usize),
+        grads: &mut BlockGrads,
+    ) {
+        let (q_start, q_len) = queries;
+        let keys = self.key_end(q_start + q_len - 1);
+        if keys == 0 {
+            // The query gradient rows stay zero; nothing reaches the keys.
+            return;
+        }
+        let scale = self.params.scale as f32;
+        let kv_head = self.geometry.kv_head(h);
+        let BackwardScratch {
+            probabilities,
+            score_grads,
+        } = scratch;
+        self.score_block(probabilities, (b, h), queries, keys);
+        for (row, row_p) in probabilities.chunks_exact_mut(keys).enumerate() {
+            let stats = rows.softmax_stats.row(b, h, q_start + row);
+            let (max, inverse_sum) = (stats[0], stats[1]);
+            simd::exp_shifted(row_p, max);
+            row_p.iter_mut().for_each(|p| *p *= inverse_sum);
+        }
+        let output_grad = rows.output_grad.head(b, h).rows(q_start, q_len);
+        let probabilities = Matrix::new(probabilities, q_len, keys, keys, 1);
+        let value = self.value.head(b, kv_head).rows(0, keys);
+        gemm(
+            &mut grads.value.rows(0, keys),
+            true,
+            probabilities.transposed(),
+            output_grad,
+            1.0,
+        );
+        score_grads.clear();
+        score_grads.resize(q_len * keys, 0.0);
+        let mut probability_grads = MatrixMut::from_slice(score_grads, q_len, keys, keys);
+        gemm(
+            &mut probability_grads,
+            false,
+            output_grad,
+            value.transposed(),
+            1.0,
+        );
+        // D_i = Σ_j P_ij dP_ij from the row itself rather than FlashAttention-2's rowsum(dO ∘ O):
+        // the two are equal in exact arithmetic, but this one is computed from the very dP the
+        // row's dS subtracts it from, so a saturated row (P one-hot) gets dS = 0 exactly, as
+        // autodiff through the explicit softmax does; dO · O, summed in another order, leaves
+        // a rounding residue that large inputs amplify into the weight gradients. This kernel
+        // holds a query block's whole rows, so the sum costs one pass over them.
+        for (row, grad_row) in score_grads.chunks_exact_mut(keys).enumerate() {
+            let row_p = &probabilities.values[row * keys..][..keys];
+            let row_dot = simd::dot(row_p, grad_row);
+            simd::softmax_grad(grad_row, row_p, row_dot);
+        }
+        let score_grads = Matrix::new(score_grads, q_len, keys, keys, 1);
+        let key = self.key.head(b, kv_head).rows(0, keys);
+        let query = self.query.head(b, h).rows(q_start, q_len);
+        gemm(&mut grads.query, false, score_grads, key, scale);
+        gemm(
+            &mut grads.key.rows(0, keys),
+            true,
+            score_grads.transposed(),
+            query,
+            scale,
+        );
+    }
+}
+
+/// One backward query block's gradient targets: its query rows, and the whole key/value head.
+struct BlockGrads<'q, 'k, 'b> {
+    query: MatrixMut<'q>,
+    key: &'k mut MatrixMut<'b>,
+    value: &'k mut MatrixMut<'b>,
+}
+
+/// Turns one row of scores into `exp(score - max)` in place; returns the maximum and
+/// `1 / Σ exp(score - max)`.
+///
+/// A row with no allowed key becomes zeros, with statistics (`f32::MIN`, 0) that make every
+/// recomputed probability 0. A row holding NaN stays NaN, as in every other path.
+fn softmax_numerators(row: &mut [f32]) -> (f32, f32) {
+    let max = simd::max(row);
+    if max == f32::NEG_INFINITY {
+        // `simd::max` skips NaN: tell an empty row from one of NaN scores.
+        if row.iter().any(|score| score.is_nan()) {
+            row.fill(f32::NAN);
+            return (f32::NAN, f32::NAN);
+        }
+        row.fill(0.0);
+        return (f32::MIN, 0.0);
+    }
+    let sum = simd::exp_shifted(row, max);
+    (max, 1.0 / sum)
+}

@@ -1,0 +1,747 @@
+//! Memory-bounded attention for training: one autodiff op whose forward runs query blocks ×
+//! key blocks with an online softmax and keeps only the output and each query's softmax
+//! statistics (maximum and inverse sum), and whose backward recomputes every score block from
+//! them (FlashAttention-2's backward, Dao 2023, Algorithm 2).
+//!
+//! Chunking with ordinary tensor ops bounds inference memory only: under autodiff every block's
+//! scores and probabilities are kept for the backward pass, which is the full score matrix
+//! again. Per-chunk gradient checkpointing would avoid that too, but Burn's checkpointing is a
+//! strategy of the whole device, not something one op can ask for, and it would run each
+//! block's forward twice. A custom backward node keeps `O(seq · head_dim)` state and costs one
+//! extra `q kᵀ` product per block.
+//!
+//! The op is a Burn backend extension routed to the backends listed on
+//! [`FlashAttentionBackend`]; [`flash_attention_supported`] says whether a device is one of
+//! them, since calling it on another panics. Each backend gets its forward and backward from
+//! [`FlashKernels`]: the generic body in backend primitives (`generic.rs`), or a native kernel
+//! (`cpu.rs`, flex and ndarray f32 storage) that falls back to the generic body for what it
+//! does not take.
+
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::tensor::{BoolTensor, FloatTensor};
+use burn::backend::{
+    Autodiff, Backend, Dispatch, DispatchDevice, ExtensionType, TensorMetadata, backend_extension,
+};
+use burn::tensor::{Bool, DType, Device, FloatDType, Tensor};
+
+use crate::geometry::Geometry;
+use crate::input::BlockSizes;
+use crate::kernel::SoftmaxOptions;
+use crate::mask::ScoreMasks;
+
+#[cfg(any(feature = "flex", feature = "ndarray"))]
+mod cpu;
+mod generic;
+#[cfg(any(feature = "flex", feature = "ndarray"))]
+mod simd;
+
+/// What one flash-attention call computes besides `q`, `k` and `v`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct FlashParams {
+    /// Multiplies `q kᵀ`.
+    pub scale: f64,
+    /// Bottom-right aligned causal masking: query `i` of `seq_q` sees keys up to
+    /// `i + seq_k - seq_q`.
+    pub causal: bool,
+    /// Query and key block sizes.
+    pub blocks: BlockSizes,
+}
+
+/// An optional float tensor across the dispatch boundary (the extension macro maps enums of
+/// tensors, not `Option`s).
+#[derive(ExtensionType)]
+pub enum MaybeFloat<B: Backend> {
+    /// A tensor.
+    Some(FloatTensor<B>),
+    /// No tensor.
+    None,
+}
+
+/// An optional bool tensor across the dispatch boundary.
+#[derive(ExtensionType)]
+pub enum MaybeBool<B: Backend> {
+    /// A tensor.
+    Some(BoolTensor<B>),
+    /// No tensor.
+    None,
+}
+
+impl<B: Backend> MaybeFloat<B> {
+    fn from_option(tensor: Option<FloatTensor<B>>) -> Self {
+        tensor.map_or(Self::None, Self::Some)
+    }
+
+    fn into_option(self) -> Option<FloatTensor<B>> {
+        match self {
+            Self::Some(tensor) => Some(tensor),
+            Self::None => None,
+        }
+    }
+}
+
+impl<B: Backend> MaybeBool<B> {
+    fn from_option(tensor: Option<BoolTensor<B>>) -> Self {
+        tensor.map_or(Self::None, Self::Some)
+    }
+
+    fn into_option(self) -> Option<BoolTensor<B>> {
+        match self {
+            Self::Some(tensor) => Some(tensor),
+            Self::None => None,
+        }
+    }
+}
+
+/// Backends with a memory-bounded attention op whose backward recomputes the scores.
+///
+/// The default body is generic over the backend's primitives; autodiff gets the handwritten
+/// backward below.
+#[backend_extension(Flex: cfg(feature = "flex"), NdArray: cfg(feature = "ndarray"), Autodiff)]
+pub(crate) trait FlashAttentionBackend: Backend {
+    /// `softmax(q kᵀ · scale + bias, forbidden and causal-future keys removed) v` by blocks.
+    ///
+    /// # Shapes
+    ///
+    /// - query: `[batch, n_heads, seq_q, head_dim]`
+    /// - key: `[batch, n_kv_heads, seq_k, head_dim]`, `n_heads` a multiple of `n_kv_heads`
+    /// - value: `[batch, n_kv_heads, seq_k, value_dim]`
+    /// - bias, forbid: broadcastable to `[batch, n_heads, seq_q, seq_k]`; the bias is treated as
+    ///   a constant (it gets no gradient)
+    /// - output: `[batch, n_heads, seq_q, value_dim]`; a query with no allowed key outputs zeros
+    fn flash_attention(
+        query: FloatTensor<Self>,
+        key: FloatTensor<Self>,
+        value: FloatTensor<Self>,
+        #[extension_type] bias: MaybeFloat<Self>,
+        #[extension_type] forbid: MaybeBool<Self>,
+        params: FlashParams,
+    ) -> FloatTensor<Self> {
+        let inputs = FlashInputs::<Self> {
+            query,
+            key,
+            value,
+            bias: bias.into_option(),
+            forbid: forbid.into_option(),
+            params,
+        };
+        generic::forward(&inputs).output
+    }
+}
+
+/// The forward and backward computations of a backend, generic unless overridden.
+pub(crate) trait FlashKernels: Backend {
+    fn forward_kernel(inputs: &FlashInputs<Self>) -> FlashForward<Self> {
+        generic::forward(inputs)
+    }
+
+    fn backward_kernel(
+        state: &FlashState<Self>,
+        output_grad: FloatTensor<Self>,
+    ) -> FlashGrads<Self> {
+        generic::backward(state, output_grad)
+    }
+}
+
+/// Gives a CPU backend the native kernels of `cpu.rs`, with the generic body for the dtypes
+/// they do not take.
+#[cfg(any(feature = "flex", feature = "ndarray"))]
+macro_rules! native_flash_kernels {
+    ($backend:ty) => {
+        impl FlashKernels for $backend {
+            fn forward_kernel(inputs: &FlashInputs<Self>) -> FlashForward<Self> {
+                if generic_body_forced() {
+                    return generic::forward(inputs);
+                }
+                cpu::forward(inputs).unwrap_or_else(|| generic::forward(inputs))
+            }
+
+            fn backward_kernel(
+                state: &FlashState<Self>,
+                output_grad: FloatTensor<Self>,
+            ) -> FlashGrads<Self> {
+                if generic_body_forced() {
+                    return generic::backward(state, output_grad);
+                }
+                cpu::backward(state, &output_grad)
+                    .unwrap_or_else(|| generic::backward(state, output_grad))
+            }
+        }
+
+        impl FlashAttentionBackend for $backend {
+            fn flash_attention(
+                query: FloatTensor<Self>,
+                key: FloatTensor<Self>,
+                value: FloatTensor<Self>,
+                bias: MaybeFloat<Self>,
+                forbid: MaybeBool<Self>,
+                params: FlashParams,
+            ) -> FloatTensor<Self> {
+                let inputs = FlashInputs {
+                    query,
+                    key,
+                    value,
+                    bias: bias.into_option(),
+                    forbid: forbid.into_option(),
+                    params,
+                };
+                Self::forward_kernel(&inputs).output
+            }
+        }
+    };
+}
+
+#[cfg(test)]
+std::thread_local! {
+    static GENERIC_BODY_FORCED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Whether this thread's tests asked for the generic body where a native kernel exists (the
+/// native kernel takes every f32 call, so the generic body would otherwise never run on f32).
+#[cfg(any(feature = "flex", feature = "ndarray"))]
+fn generic_body_forced() -> bool {
+    #[cfg(test)]
+    return GENERIC_BODY_FORCED.get();
+    #[cfg(not(test))]
+    false
+}
+
+/// Runs `run` with the generic body in place of the native kernels, forward and backward.
+#[cfg(test)]
+fn with_generic_body<R>(run: impl FnOnce() -> R) -> R {
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            GENERIC_BODY_FORCED.set(self.0);
+        }
+    }
+    let _restore = Restore(GENERIC_BODY_FORCED.replace(true));
+    run()
+}
+
+#[cfg(feature = "flex")]
+native_flash_kernels!(burn::backend::Flex);
+
+#[cfg(feature = "ndarray")]
+native_flash_kernels!(burn::backend::NdArray);
+
+impl<B: FlashKernels, C: CheckpointStrategy> FlashAttentionBackend for Autodiff<B, C> {
+    fn flash_attention(
+        query: FloatTensor<Self>,
+        key: FloatTensor<Self>,
+        value: FloatTensor<Self>,
+        bias: MaybeFloat<Self>,
+        forbid: MaybeBool<Self>,
+        params: FlashParams,
+    ) -> FloatTensor<Self> {
+        let nodes = [query.node(), key.node(), value.node()];
+        let inputs = FlashInputs::<B> {
+            query: query.into_primitive(),
+            key: key.into_primitive(),
+            value: value.into_primitive(),
+            bias: bias.into_option().map(|bias| bias.into_primitive()),
+            forbid: forbid.into_option(),
+            params,
+        };
+        match FlashAttentionBackward
+            .prepare::<C>(nodes)
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let FlashForward {
+                    output,
+                    softmax_stats,
+                } = B::forward_kernel(&inputs);
+                let state = FlashState {
+                    inputs,
+                    output: output.clone(),
+                    softmax_stats,
+                };
+                prep.finish(state, output)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(B::forward_kernel(&inputs).output),
+        }
+    }
+}
+
+/// Whether [`flash_attention`] runs on `device` (autodiff or not): the backends compiled into
+/// [`FlashAttentionBackend`] by this crate's `flex` and `ndarray` features.
+pub fn flash_attention_supported(device: &Device) -> bool {
+    fn supported(device: &DispatchDevice) -> bool {
+        match device {
+            #[cfg(feature = "flex")]
+            DispatchDevice::Flex(_) => true,
+            #[cfg(feature = "ndarray")]
+            DispatchDevice::NdArray(_) => true,
+            DispatchDevice::Autodiff(inner) => supported(inner),
+            #[allow(unreachable_patterns)]
+            _ => false,
+        }
+    }
+    supported(device.as_dispatch())
+}
+
+/// Memory-bounded attention with a recomputing backward, on split heads.
+///
+/// # Shapes
+///
+/// As [`FlashAttentionBackend::flash_attention`].
+///
+/// # Panics
+///
+/// If the device is not one [`flash_attention_supported`] accepts.
+pub(crate) fn flash_attention(
+    query: Tensor<4>,
+    key: Tensor<4>,
+    value: Tensor<4>,
+    masks: &ScoreMasks,
+    options: SoftmaxOptions,
+    blocks: BlockSizes,
+) -> Tensor<4> {
+    assert!(
+        flash_attention_supported(&query.device()),
+        "MultiHeadAttention: the flash kernel does not run on {:?}; enable this crate's feature \
+         for that backend or use another `AttentionPath`",
+        query.device()
+    );
+    assert!(!options.quiet, "the flash kernel has no quiet softmax");
+    // Half-precision inputs are computed in f32 (the softmax statistics and the sums over key
+    // and query blocks lose too much in 8 or 11 bits of mantissa) and the output is returned in
+    // their type, as mixed-precision training expects.
+    let dtype = query.dtype();
+    let widen = |tensor: Tensor<4>| match dtype {
+        DType::F16 | DType::BF16 => tensor.cast(FloatDType::F32),
+        _ => tensor,
+    };
+    let params = FlashParams {
+        scale: options.scale,
+        causal: masks.causal,
+        blocks,
+    };
+    let output = <Dispatch as FlashAttentionBackend>::flash_attention(
+        widen(query).into_dispatch(),
+        widen(key).into_dispatch(),
+        widen(value).into_dispatch(),
+        MaybeFloat::from_option(masks.bias.clone().map(|bias| widen(bias).into_dispatch())),
+        MaybeBool::from_option(masks.forbid.clone().map(Tensor::<4, Bool>::into_dispatch)),
+        params,
+    );
+    let output = Tensor::<4>::from_dispatch(output);
+    match output.dtype() == dtype {
+        true => output,
+        false => output.cast(FloatDType::from(dtype)),
+    }
+}
+
+/// The op's inputs on the backend that computes it.
+#[derive(Debug, Clone)]
+pub(crate) struct FlashInputs<B: Backend> {
+    pub query: FloatTensor<B>,
+    pub key: FloatTensor<B>,
+    pub value: FloatTensor<B>,
+    pub bias: Option<FloatTensor<B>>,
+    pub forbid: Option<BoolTensor<B>>,
+    pub params: FlashParams,
+}
+
+impl<B: Backend> FlashInputs<B> {
+    /// The call's sizes, after checking that query, key and value fit together and that the
+    /// masks broadcast to `[batch, n_heads, seq_q, seq_k]`.
+    ///
+    /// # Panics
+    ///
+    /// If they do not.
+    pub fn geometry(&self) -> Geometry {
+        let geometry = Geometry::of_heads(
+            dims(&self.query.shape()),
+            dims(&self.key.shape()),
+            dims(&self.value.shape()),
+        );
+        let Geometry {
+            batch,
+            n_heads,
+            seq_q,
+            seq_k,
+            ..
+        } = geometry;
+        let full = [batch, n_heads, seq_q, seq_k];
+        let masks = [
+            ("bias", self.bias.as_ref().map(|bias| bias.shape())),
+            ("forbid", self.forbid.as_ref().map(|forbid| forbid.shape())),
+        ];
+        for (name, shape) in masks {
+            if let Some(shape) = shape {
+                let shape = dims(&shape);
+                assert!(
+                    (0..4).all(|axis| shape[axis] == full[axis] || shape[axis] == 1),
+                    "flash attention: `{name}` {shape:?} does not broadcast to the scores {full:?}"
+                );
+            }
+        }
+        assert!(
+            self.params.blocks.query > 0 && self.params.blocks.key > 0,
+            "flash attention: block sizes must be positive, got {:?}",
+            self.params.blocks
+        );
+        geometry
+    }
+}
+
+/// The four sizes of a rank-4 shape.
+///
+/// # Panics
+///
+/// If the shape does not have rank 4.
+fn dims(shape: &burn::backend::Shape) -> [usize; 4] {
+    assert_eq!(
+        shape.num_dims(),
+        4,
+        "flash attention: tensors must have rank 4, got shape {shape:?}"
+    );
+    [shape[0], shape[1], shape[2], shape[3]]
+}
+
+pub(crate) struct FlashForward<B: Backend> {
+    /// `[batch, n_heads, seq_q, value_dim]`
+    pub output: FloatTensor<B>,
+    /// `[batch, n_heads, seq_q, 2]`: each query's score maximum `m` and `1 / Σ_k exp(s_k - m)`,
+    /// from which the backward recomputes `P = exp(S - m) / Σ`. A query with no allowed key
+    /// has the lowest finite `m` and 0, which make every recomputed probability 0.
+    ///
+    /// (Not FlashAttention's single log-sum-exp `m + ln Σ`: rounded to f32 it carries an
+    /// absolute error of an ulp of `m`, which `exp(S - lse)` turns into a relative error of
+    /// `|m| · 6e-8` in every probability, 6e-5 at scores of 1000; the pair keeps the
+    /// recomputed probabilities as exact as the explicit path's.)
+    pub softmax_stats: FloatTensor<B>,
+}
+
+/// What the backward pass keeps: the inputs, the output and the softmax statistics, `O(seq)`
+/// each.
+#[derive(Debug, Clone)]
+pub(crate) struct FlashState<B: Backend> {
+    pub inputs: FlashInputs<B>,
+    pub output: FloatTensor<B>,
+    pub softmax_stats: FloatTensor<B>,
+}
+
+impl<B: Backend> FlashState<B> {
+    /// # Panics
+    ///
+    /// If `output_grad` does not have the output's shape, or the saved statistics are not two
+    /// values per query.
+    pub fn check_output_grad(&self, output_grad: &FloatTensor<B>) {
+        let output = dims(&self.output.shape());
+        let [batch, heads, seq_q, _] = output;
+        assert_eq!(
+            dims(&output_grad.shape()),
+            output,
+            "flash attention: the output gradient must have the output's shape"
+        );
+        assert_eq!(
+            dims(&self.softmax_stats.shape()),
+            [batch, heads, seq_q, 2],
+            "flash attention: two softmax statistics per query"
+        );
+    }
+}
+
+#[derive(Debug)]
+struct FlashAttentionBackward;
+
+impl<B: FlashKernels> Backward<B, 3> for FlashAttentionBackward {
+    type State = FlashState<B>;
+
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [query_node, key_node, value_node] = ops.parents;
+        let output_grad = grads.consume::<B>(&ops.node);
+        let FlashGrads { query, key, value } = B::backward_kernel(&ops.state, output_grad);
+        for (node, grad) in [(query_node, query), (key_node, key), (value_node, value)] {
+            if let Some(node) = node {
+                grads.register::<B>(node.id, grad);
+            }
+        }
+    }
+}
+
+pub(crate) struct FlashGrads<B: Backend> {
+    pub query: FloatTensor<B>,
+    pub key: FloatTensor<B>,
+    pub value: FloatTensor<B>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernel::{chunked_attention, explicit_attention};
+    use burn::nn::DropoutConfig;
+    use burn::tensor::{Distribution, TensorData, Tolerance};
+
+    #[allow(deprecated)]
+    fn cpu_devices() -> [Device; 2] {
+        [Device::flex(), Device::ndarray()]
+    }
+
+    fn normal<const D: usize>(shape: [usize; D], device: &Device) -> Tensor<D> {
+        Tensor::random(shape, Distribution::Normal(0.0, 1.0), device)
+    }
+
+    /// The masks of one comparison: what they are called and what they hold.
+    fn mask_cases(
+        device: &Device,
+        [batch, n_heads, seq_q, seq_k]: [usize; 4],
+    ) -> Vec<(&'static str, ScoreMasks)> {
+        // Key padding as the module passes it, `[batch, 1, 1, seq_k]`: broadcast query and head
+        // axes; the second sequence's last keys padded, one query row fully masked by a bool
+        // mask on top.
+        let mut padding = vec![false; batch * seq_k];
+        padding[seq_k + seq_k - 2..].fill(true);
+        let padding =
+            Tensor::<4, Bool>::from_data(TensorData::new(padding, [batch, 1, 1, seq_k]), device);
+        let mut row = vec![false; seq_q * seq_k];
+        row[seq_k..2 * seq_k].fill(true);
+        let dead_row =
+            Tensor::<4, Bool>::from_data(TensorData::new(row, [1, 1, seq_q, seq_k]), device);
+        vec![
+            ("none", ScoreMasks::default()),
+            (
+                "causal",
+                ScoreMasks {
+                    causal: true,
+                    ..ScoreMasks::default()
+                },
+            ),
+            (
+                "padding + dead row + causal",
+                ScoreMasks {
+                    forbid: Some(
+                        padding
+                            .expand([batch, 1, seq_q, seq_k])
+                            .bool_or(dead_row.expand([batch, 1, seq_q, seq_k])),
+                    ),
+                    causal: true,
+                    ..ScoreMasks::default()
+                },
+            ),
+            (
+                "broadcast padding",
+                ScoreMasks {
+                    forbid: Some(Tensor::from_data(
+                        TensorData::new(vec![false; batch * seq_k], [batch, 1, 1, seq_k]),
+                        device,
+                    )),
+                    ..ScoreMasks::default()
+                },
+            ),
+            (
+                "float bias",
+                ScoreMasks {
+                    bias: Some(normal([batch, n_heads, seq_q, seq_k], device)),
+                    ..ScoreMasks::default()
+                },
+            ),
+        ]
+    }
+
+    /// Output and the gradients of q, k and v of `loss = Σ o · sin(o)` through `attend`.
+    fn outputs_and_grads(
+        query: &Tensor<4>,
+        key: &Tensor<4>,
+        value: &Tensor<4>,
+        attend: impl Fn(Tensor<4>, Tensor<4>, Tensor<4>) -> Tensor<4>,
+    ) -> [Tensor<4>; 4] {
+        let [query, key, value] = [query, key, value].map(|t| t.clone().detach().require_grad());
+        let output = attend(query.clone(), key.clone(), value.clone());
+        let grads = (output.clone() * output.clone().sin()).sum().backward();
+        [
+            output.inner(),
+            query.grad(&grads).unwrap(),
+            key.grad(&grads).unwrap(),
+            value.grad(&grads).unwrap(),
+        ]
+    }
+
+    /// The generic body (forced where a native kernel exists) against the explicit path, in
+    /// the output and the gradients of q, k and v: GQA, causal with more queries than keys and
+    /// fewer, broadcast key padding whose last query block holds one query, a fully masked
+    /// row, a float bias.
+    #[test]
+    fn the_generic_body_equals_the_explicit_path_in_outputs_and_gradients() {
+        let options = SoftmaxOptions {
+            scale: 0.35,
+            custom_scale: true,
+            quiet: false,
+        };
+        let dropout = DropoutConfig::new(0.0).init();
+        for device in cpu_devices() {
+            let device = device.autodiff();
+            device.seed(31);
+            // seq_q 5 with query blocks of 4: the last block is query 4 alone.
+            for (seq_q, seq_k) in [(5, 7), (7, 3), (5, 5)] {
+                let (batch, n_heads, n_kv_heads) = (2, 4, 2);
+                let query = normal([batch, n_heads, seq_q, 6], &device);
+                let key = normal([batch, n_kv_heads, seq_k, 6], &device);
+                let value = normal([batch, n_kv_heads, seq_k, 3], &device);
+                for (label, masks) in mask_cases(&device, [batch, n_heads, seq_q, seq_k]) {
+                    for blocks in [
+                        BlockSizes { query: 4, key: 2 },
+                        BlockSizes { query: 1, key: 7 },
+                    ] {
+                        let expected = outputs_and_grads(&query, &key, &value, |q, k, v| {
+                            explicit_attention(q, k, v, &masks, options, &dropout).0
+                        });
+                        let actual = with_generic_body(|| {
+                            outputs_and_grads(&query, &key, &value, |q, k, v| {
+                                flash_attention(q, k, v, &masks, options, blocks)
+                            })
+                        });
+                        for (what, (actual, expected)) in ["output", "d query", "d key", "d value"]
+                            .iter()
+                            .zip(actual.into_iter().zip(expected))
+                        {
+                            actual.into_data().assert_approx_eq::<f32>(
+                                &expected.into_data(),
+                                Tolerance::absolute(1e-5),
+                            );
+                            let _ = (what, label, seq_q, seq_k);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Half-precision inputs, through the native kernel and the generic body, against an f32
+    /// reference by FlashAttention's rule: no more than twice the error of the explicit path
+    /// computed in the same precision, plus a little.
+    #[test]
+    fn half_precision_inputs_are_as_accurate_as_the_explicit_path_in_that_precision() {
+        let options = SoftmaxOptions {
+            scale: 0.35,
+            custom_scale: true,
+            quiet: false,
+        };
+        let dropout = DropoutConfig::new(0.0).init();
+        let device = Device::flex().autodiff();
+        device.seed(32);
+        let (batch, n_heads, n_kv_heads, seq_q, seq_k) = (2, 4, 2, 9, 13);
+        let query = normal([batch, n_heads, seq_q, 17], &device);
+        let key = normal([batch, n_kv_heads, seq_k, 17], &device);
+        let value = normal([batch, n_kv_heads, seq_k, 5], &device);
+        let max_error = |a: Tensor<4>, b: Tensor<4>| -> f32 {
+            (a.cast(FloatDType::F32) - b)
+                .abs()
+                .max()
+                .into_scalar::<f32>()
+        };
+        for dtype in [FloatDType::BF16, FloatDType::F16] {
+            if !device.supports_dtype(dtype) {
+                continue;
+            }
+            for (label, masks) in mask_cases(&device, [batch, n_heads, seq_q, seq_k]) {
+                let reference = outputs_and_grads(&query, &key, &value, |q, k, v| {
+                    explicit_attention(q, k, v, &masks, options, &dropout).0
+                });
+                let low = |t: Tensor<4>| t.cast(dtype);
+                let low_masks = ScoreMasks {
+                    bias: masks.bias.clone().map(low),
+                    ..masks.clone()
+                };
+                let explicit_low = outputs_and_grads(&query, &key, &value, |q, k, v| {
+                    explicit_attention(low(q), low(k), low(v), &low_masks, options, &dropout).0
+                });
+                let flash_low = || {
+                    outputs_and_grads(&query, &key, &value, |q, k, v| {
+                        let blocks = BlockSizes { query: 4, key: 5 };
+                        flash_attention(low(q), low(k), low(v), &low_masks, options, blocks)
+                    })
+                };
+                let bodies = [
+                    ("native", flash_low()),
+                    ("generic", with_generic_body(flash_low)),
+                ];
+                for (body, flash_low) in bodies {
+                    let parts = ["output", "d query", "d key", "d value"];
+                    for (index, what) in parts.iter().enumerate() {
+                        let yardstick =
+                            max_error(explicit_low[index].clone(), reference[index].clone());
+                        let error = max_error(flash_low[index].clone(), reference[index].clone());
+                        assert!(
+                            error <= 2.0 * yardstick + 1e-3,
+                            "{dtype:?} {label} {body}: {what} error {error} > 2 × {yardstick} \
+                             + 1e-3"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// A kernel refuses inputs that do not fit together, whoever calls it.
+    #[test]
+    #[should_panic(expected = "do not fit together")]
+    fn mismatched_head_widths_are_refused_at_the_kernel() {
+        let device = Device::flex();
+        let options = SoftmaxOptions {
+            scale: 1.0,
+            custom_scale: true,
+            quiet: false,
+        };
+        flash_attention(
+            normal([1, 2, 3, 8], &device),
+            normal([1, 2, 4, 4], &device),
+            normal([1, 2, 4, 4], &device),
+            &ScoreMasks::default(),
+            options,
+            BlockSizes::default(),
+        );
+    }
+
+    /// The native kernels read heads in place through their strides and copy other layouts
+    /// first: a strided view, a negative-stride (flipped) tensor and a view at an offset give
+    /// what contiguous copies of them give on the tensor-op path.
+    #[test]
+    fn any_input_layout_gives_the_contiguous_result() {
+        #[allow(deprecated)]
+        let devices = [Device::flex(), Device::ndarray()];
+        for device in devices {
+            if !flash_attention_supported(&device) {
+                continue;
+            }
+            device.seed(3);
+            let normal = Distribution::Normal(0.0, 1.0);
+            // [batch, seq, heads, dim] memory seen as [batch, heads, seq, dim].
+            let query = Tensor::<4>::random([2, 5, 4, 8], normal, &device).swap_dims(1, 2);
+            let key = Tensor::<4>::random([2, 2, 7, 8], normal, &device).flip([2, 3]);
+            let value = Tensor::<4>::random([2, 2, 9, 8], normal, &device).narrow(2, 2, 7);
+            let copy = |tensor: &Tensor<4>| {
+                let data: TensorData = tensor.to_data();
+                Tensor::<4>::from_data(data, &device)
+            };
+            let masks = ScoreMasks {
+                causal: true,
+                ..ScoreMasks::default()
+            };
+            let options = SoftmaxOptions {
+                scale: 0.3,
+                custom_scale: true,
+                quiet: false,
+            };
+            let sizes = BlockSizes { query: 2, key: 3 };
+            let expected = chunked_attention(
+                copy(&query),
+                copy(&key),
+                copy(&value),
+                &masks,
+                options,
+                sizes,
+            );
+            let actual = flash_attention(query, key, value, &masks, options, sizes);
+            actual
+                .into_data()
+                .assert_approx_eq::<f32>(&expected.into_data(), Tolerance::absolute(1e-5));
+        }
+    }
+}
