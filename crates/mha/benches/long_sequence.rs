@@ -1,6 +1,7 @@
-//! Peak memory and time of long-sequence attention on flex: this crate's module against Burn's
-//! `burn::nn::attention::MultiHeadAttention`, each case in its own process so that peaks do not
-//! mix (peak resident set size, `VmHWM` of `/proc/self/status`).
+//! Peak memory and time of long-sequence attention on flex (and training on wgpu): this crate's
+//! module against Burn's `burn::nn::attention::MultiHeadAttention`, each case in its own process
+//! so that peaks do not mix (peak resident set size, `VmHWM` of `/proc/self/status`; on
+//! lavapipe, wgpu's software Vulkan driver, device memory is host memory and counts too).
 //!
 //! ```sh
 //! cargo bench --workspace --bench long_sequence            # all cases, one table
@@ -21,16 +22,39 @@ use mha::{AttentionPath, BlockSizes, MhaInput, MultiHeadAttentionConfig};
 const D_MODEL: usize = 512;
 const HEADS: usize = 8;
 
-/// (name, implementation, sequence length, training); "ours" is `AttentionPath::Auto` (the
-/// flash kernel when training at these lengths), "ours-explicit" forces the explicit path.
-const CASES: [(&str, &str, usize, bool); 7] = [
-    ("ours-inference-16384", "ours", 16384, false),
-    ("burn-inference-8192", "burn", 8192, false),
-    ("ours-inference-8192", "ours", 8192, false),
-    ("ours-training-4096", "ours", 4096, true),
-    ("ours-explicit-training-4096", "ours-explicit", 4096, true),
-    ("burn-training-4096", "burn", 4096, true),
-    ("ours-training-8192", "ours", 8192, true),
+/// (name, implementation, sequence length, training, device); "ours" is `AttentionPath::Auto`
+/// (the flash kernel when training at these lengths: native on flex, its generic body on
+/// wgpu), "ours-explicit" forces the explicit path.
+const CASES: [(&str, &str, usize, bool, &str); 11] = [
+    ("ours-inference-16384", "ours", 16384, false, "flex"),
+    ("burn-inference-8192", "burn", 8192, false, "flex"),
+    ("ours-inference-8192", "ours", 8192, false, "flex"),
+    ("ours-training-4096", "ours", 4096, true, "flex"),
+    (
+        "ours-explicit-training-4096",
+        "ours-explicit",
+        4096,
+        true,
+        "flex",
+    ),
+    ("burn-training-4096", "burn", 4096, true, "flex"),
+    ("ours-training-8192", "ours", 8192, true, "flex"),
+    ("wgpu-ours-training-2048", "ours", 2048, true, "wgpu"),
+    (
+        "wgpu-ours-explicit-training-2048",
+        "ours-explicit",
+        2048,
+        true,
+        "wgpu",
+    ),
+    ("wgpu-ours-training-4096", "ours", 4096, true, "wgpu"),
+    (
+        "wgpu-ours-explicit-training-4096",
+        "ours-explicit",
+        4096,
+        true,
+        "wgpu",
+    ),
 ];
 
 /// Not in the table: `cargo bench --workspace --bench long_sequence -- gradients-4096` compares the input
@@ -48,12 +72,15 @@ fn peak_rss_mib() -> f64 {
 }
 
 fn run_case(name: &str) {
-    let (_, implementation, seq, training) = CASES
+    let (_, implementation, seq, training, device) = CASES
         .iter()
         .copied()
         .find(|case| case.0 == name)
         .unwrap_or_else(|| panic!("unknown case {name}"));
-    let plain = Device::flex();
+    let plain = match device {
+        "wgpu" => Device::wgpu(burn::tensor::DeviceKind::DefaultDevice),
+        _ => Device::flex(),
+    };
     plain.seed(0);
     let device = if training { plain.autodiff() } else { plain };
     let x = Tensor::<3>::random([1, seq, D_MODEL], Distribution::Normal(0.0, 1.0), &device);
@@ -153,7 +180,11 @@ fn main() {
         }
         return;
     }
-    println!("flex, d_model {D_MODEL}, {HEADS} heads, batch 1; each case in a fresh process\n");
+    println!(
+        "d_model {D_MODEL}, {HEADS} heads, batch 1; each case in a fresh process (wgpu: the \
+         default adapter, lavapipe on a machine without a GPU, which allocates from host \
+         memory)\n"
+    );
     println!("| case | seconds | peak RSS (MiB) |");
     println!("|---|---|---|");
     let exe = std::env::current_exe().expect("own path");

@@ -3,7 +3,7 @@
 
 use burn::tensor::Device;
 
-use crate::flash::flash_attention_supported;
+use crate::flash::{FlashKernel, flash_kernel};
 use crate::input::{AttentionPath, BlockSizes, NeedWeights};
 
 /// Above this many score elements (`batch · n_heads · seq_q · seq_k`, 64 Mi: 256 MiB of f32
@@ -77,14 +77,25 @@ pub(crate) fn choose_kernel(request: &KernelRequest) -> Kernel {
             forced(Kernel::Flash(blocks), "AttentionPath::Flash", flash_blocker)
         }
         AttentionPath::Auto if explicit_only.is_some() => Kernel::Explicit,
-        // Where the flash kernel is compiled it runs natively on the backend's storage
-        // (`flash/cpu.rs`) and beats every other path at every size measured, inference and
-        // training, on flex and on ndarray (`cargo bench --workspace --bench table`).
-        AttentionPath::Auto if flash_blocker.is_none() => Kernel::Flash(BlockSizes::default()),
-        // Burn's autodiff runs the fused op as a decomposed fallback that scales and clamps the
-        // full score matrix; the explicit path scales the queries instead and uses the one-op
-        // softmax: 400 ms against 485 ms for a forward + backward at batch 4, 512 tokens,
-        // d_model 512, 8 heads on flex (`cargo bench --workspace --bench table`).
+        // Where the flash kernel runs natively on the backend's storage (`flash/cpu.rs`) it
+        // beats every other path at every size measured, inference and training, on flex and on
+        // ndarray (`cargo bench --workspace --bench table`).
+        AttentionPath::Auto
+            if flash_blocker.is_none()
+                && flash_kernel(request.device) == Some(FlashKernel::Native) =>
+        {
+            Kernel::Flash(BlockSizes::default())
+        }
+        // Elsewhere (the CubeCL backends) the op runs its generic body: for training, where it
+        // keeps memory `O(seq)` instead of the explicit path's `O(seq²)`; for inference Burn's
+        // fused kernel is one launch where the generic body is several per block.
+        AttentionPath::Auto if flash_blocker.is_none() && request.device.is_autodiff() => {
+            Kernel::Flash(BlockSizes::default())
+        }
+        // Without the flash op, Burn's autodiff runs the fused op as a decomposed fallback that
+        // scales and clamps the full score matrix; the explicit path scales the queries instead
+        // and uses the one-op softmax: 400 ms against 485 ms for a forward + backward at batch
+        // 4, 512 tokens, d_model 512, 8 heads on flex (`cargo bench --workspace --bench table`).
         AttentionPath::Auto if request.device.is_autodiff() => Kernel::Explicit,
         AttentionPath::Auto
             if request.score_elements > CHUNKED_THRESHOLD && !runs_on_flex(request.device) =>
@@ -110,7 +121,7 @@ fn explicit_only_reason(request: &KernelRequest) -> Option<&'static str> {
 
 /// Why the flash kernel cannot run the request (besides [`explicit_only_reason`]), if it cannot.
 fn flash_blocker(request: &KernelRequest) -> Option<&'static str> {
-    if !flash_attention_supported(request.device) {
+    if flash_kernel(request.device).is_none() {
         Some("this backend has no flash kernel (see `flash_attention_supported`)")
     } else if request.float_mask_requires_grad {
         Some("the float attention mask requires a gradient")

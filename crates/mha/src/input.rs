@@ -25,16 +25,18 @@ pub enum AttentionPath {
     ///
     /// 1. **Explicit** when the weights are requested, dropout is active (training mode on an
     ///    autodiff device) or the softmax is quiet: only the explicit path can do those.
-    /// 2. **Flash** where [`flash_attention_supported`](crate::flash_attention_supported) (flex
-    ///    and ndarray, with this crate's features of those names), for inference and training,
-    ///    unless a float attention mask requires a gradient (the flash op treats masks as
-    ///    constants). It is the fastest path at every size measured there and keeps training
-    ///    memory `O(seq)`.
-    /// 3. Elsewhere, on an autodiff device: **Explicit** (Burn's autodiff runs its fused op as a
+    /// 2. **Flash** where it runs natively (flex and ndarray, with this crate's features of
+    ///    those names), for inference and training, unless a float attention mask requires a
+    ///    gradient (the flash op treats masks as constants). It is the fastest path at every size
+    ///    measured there and keeps training memory `O(seq)`.
+    /// 3. **Flash** on an autodiff device of the other backends it runs on (the CubeCL ones, see
+    ///    [`flash_attention_supported`](crate::flash_attention_supported); its generic body
+    ///    there), under the same condition: training memory `O(seq)`.
+    /// 4. Elsewhere, on an autodiff device: **Explicit** (Burn's autodiff runs its fused op as a
     ///    decomposed fallback that is slower than the explicit path).
-    /// 4. Elsewhere, for inference: **Chunked** above
-    ///    [`CHUNKED_THRESHOLD`](crate::CHUNKED_THRESHOLD) score elements on a backend other than
-    ///    flex (whose fused op is tiled already), else **Fused**.
+    /// 5. For inference: **Chunked** above [`CHUNKED_THRESHOLD`](crate::CHUNKED_THRESHOLD)
+    ///    score elements on a backend other than flex (whose fused op is tiled already), else
+    ///    **Fused** (a single flash kernel on the CubeCL backends).
     #[default]
     Auto,
     /// Burn's fused `burn::tensor::module::attention` (flash kernels on flex and CubeCL

@@ -434,6 +434,7 @@ struct GradientInputs {
     memory: Tensor<3>,
     short: Tensor<3>,
     padding: Tensor<2, Bool>,
+    all_padded: Tensor<2, Bool>,
     bias: Tensor<4>,
 }
 
@@ -466,6 +467,10 @@ impl GradientInputs {
             memory: randn([2, 13, 16], device),
             short: randn([2, 5, 16], device),
             padding: Tensor::from_data(TensorData::new(padding, [2, 13]), device),
+            all_padded: Tensor::from_data(
+                TensorData::new([vec![false; 13], vec![true; 13]].concat(), [2, 13]),
+                device,
+            ),
             bias: randn([2, 4, 11, 13], device),
         }
     }
@@ -496,6 +501,7 @@ impl GradientInputs {
         input = match case {
             "float mask" => input.attn_mask(self.bias.clone()),
             "padding+causal" => input.key_padding_mask(self.padding.clone()).causal(),
+            "fully padded" => input.key_padding_mask(self.all_padded.clone()),
             _ => input.causal(),
         };
         let context = module.forward(input.path(path)).context;

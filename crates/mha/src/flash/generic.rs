@@ -370,13 +370,17 @@ impl<'a, B: Backend> ScoreBlock<'a, B> {
     /// `[1, 1, q_len, k_len]`: `true` where the key lies in the query's causal future.
     fn causal_block(&self, (k_start, k_len): (usize, usize), device: &B::Device) -> BoolTensor<B> {
         let (q_start, q_len) = self.queries;
-        let values: Vec<bool> = (q_start..q_start + q_len)
+        let values: Vec<f32> = (q_start..q_start + q_len)
             .flat_map(|query| {
                 let key_end = self.geometry.causal_key_end(query);
-                (k_start..k_start + k_len).map(move |key| key >= key_end)
+                (k_start..k_start + k_len).map(move |key| f32::from(u8::from(key >= key_end)))
             })
             .collect();
-        B::bool_from_data(TensorData::new(values, [1, 1, q_len, k_len]), device)
+        // Made from floats by a comparison, which gives the bool storage the backend uses
+        // (CubeCL backends take no bool data of Rust's own layout).
+        let flags = B::float_from_data(TensorData::new(values, [1, 1, q_len, k_len]), device);
+        let bool_dtype = burn::backend::get_device_settings::<B>(device).bool_dtype;
+        B::float_greater_elem(flags, 0.5.into(), bool_dtype)
     }
 }
 

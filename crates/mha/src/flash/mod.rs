@@ -99,7 +99,12 @@ impl<B: Backend> MaybeBool<B> {
 ///
 /// The default body is generic over the backend's primitives; autodiff gets the handwritten
 /// backward below.
-#[backend_extension(Flex: cfg(feature = "flex"), NdArray: cfg(feature = "ndarray"), Autodiff)]
+#[backend_extension(
+    Flex: cfg(feature = "flex"),
+    NdArray: cfg(feature = "ndarray"),
+    Cube: cfg(any(feature = "wgpu", feature = "vulkan", feature = "metal", feature = "cuda", feature = "rocm")),
+    Autodiff
+)]
 pub(crate) trait FlashAttentionBackend: Backend {
     /// `softmax(q kᵀ · scale + bias, forbidden and causal-future keys removed) v` by blocks.
     ///
@@ -224,6 +229,26 @@ fn with_generic_body<R>(run: impl FnOnce() -> R) -> R {
 #[cfg(feature = "flex")]
 native_flash_kernels!(burn::backend::Flex);
 
+/// The CubeCL backends (wgpu, Vulkan, Metal, CUDA, ROCm; Burn's `Cube`, wrapped in its fusion
+/// backend when that is on) run the generic body, forward and backward.
+#[cfg(any(
+    feature = "wgpu",
+    feature = "vulkan",
+    feature = "metal",
+    feature = "cuda",
+    feature = "rocm"
+))]
+impl FlashKernels for burn::backend::Cube {}
+
+#[cfg(any(
+    feature = "wgpu",
+    feature = "vulkan",
+    feature = "metal",
+    feature = "cuda",
+    feature = "rocm"
+))]
+impl FlashAttentionBackend for burn::backend::Cube {}
+
 #[cfg(feature = "ndarray")]
 native_flash_kernels!(burn::backend::NdArray);
 
@@ -267,21 +292,44 @@ impl<B: FlashKernels, C: CheckpointStrategy> FlashAttentionBackend for Autodiff<
     }
 }
 
-/// Whether [`flash_attention`] runs on `device` (autodiff or not): the backends compiled into
-/// [`FlashAttentionBackend`] by this crate's `flex` and `ndarray` features.
+/// Whether the flash op runs on `device` (autodiff or not): flex and ndarray with this crate's
+/// features of those names (a native kernel), and the CubeCL backends (wgpu, Vulkan, Metal,
+/// CUDA, ROCm) with this crate's feature of the backend's name (the generic body).
 pub fn flash_attention_supported(device: &Device) -> bool {
-    fn supported(device: &DispatchDevice) -> bool {
+    flash_kernel(device).is_some()
+}
+
+/// Which body of the flash op runs on a device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum FlashKernel {
+    /// A kernel written for the backend's storage (flex, ndarray: `cpu.rs`).
+    Native,
+    /// The generic body in backend primitives (the CubeCL backends).
+    Generic,
+}
+
+/// The flash op's body on `device` (autodiff or not), if the op runs there at all.
+pub(crate) fn flash_kernel(device: &Device) -> Option<FlashKernel> {
+    fn kernel(device: &DispatchDevice) -> Option<FlashKernel> {
         match device {
             #[cfg(feature = "flex")]
-            DispatchDevice::Flex(_) => true,
+            DispatchDevice::Flex(_) => Some(FlashKernel::Native),
             #[cfg(feature = "ndarray")]
-            DispatchDevice::NdArray(_) => true,
-            DispatchDevice::Autodiff(inner) => supported(inner),
+            DispatchDevice::NdArray(_) => Some(FlashKernel::Native),
+            #[cfg(any(
+                feature = "wgpu",
+                feature = "vulkan",
+                feature = "metal",
+                feature = "cuda",
+                feature = "rocm"
+            ))]
+            DispatchDevice::Cube(_) => Some(FlashKernel::Generic),
+            DispatchDevice::Autodiff(inner) => kernel(inner),
             #[allow(unreachable_patterns)]
-            _ => false,
+            _ => None,
         }
     }
-    supported(device.as_dispatch())
+    kernel(device.as_dispatch())
 }
 
 /// Memory-bounded attention with a recomputing backward, on split heads.
