@@ -1,9 +1,6 @@
 //! ALiBi (Press et al. 2022, "Train Short, Test Long"): a per-head linear penalty on the
-//! distance between query and key, added to the scores instead of position embeddings.
-
-use burn::tensor::{DType, Device, Tensor, TensorData};
-
-use crate::mask::Positions;
+//! distance between query and key, added to the scores instead of position embeddings. The
+//! kernels compute the penalty from the slopes ([`crate::rules::ScoreRules::bias`]).
 
 /// The paper's head slopes: for `n` a power of two, the geometric sequence
 /// `2^(-8/n), 2^(-16/n), …, 2^(-8)`; otherwise the slopes of the nearest lower power of two
@@ -27,32 +24,6 @@ pub fn alibi_slopes(n_heads: usize) -> Vec<f64> {
     slopes
 }
 
-/// The additive bias `-slope_h · |query_position - key_position|`, `[1, n_heads, seq_q, seq_k]`,
-/// for queries and keys from `positions` on (absolute positions, so that it holds under a
-/// cache).
-pub(crate) fn alibi_bias(
-    n_heads: usize,
-    positions: Positions,
-    seq_q: usize,
-    seq_k: usize,
-    (device, dtype): (&Device, DType),
-) -> Tensor<4> {
-    let slopes = alibi_slopes(n_heads);
-    let mut values = Vec::with_capacity(n_heads * seq_q * seq_k);
-    for slope in &slopes {
-        for q in 0..seq_q {
-            for k in 0..seq_k {
-                let distance = (positions.query + q).abs_diff(positions.key + k) as f64;
-                values.push(-slope * distance);
-            }
-        }
-    }
-    Tensor::from_data(
-        TensorData::new(values, [1, n_heads, seq_q, seq_k]),
-        (device, dtype),
-    )
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -67,27 +38,5 @@ mod tests {
         assert_eq!(six.len(), 6);
         assert_eq!(&six[..4], &[0.25, 0.0625, 0.015625, 0.00390625]);
         assert_eq!(&six[4..], &[0.5, 0.125]);
-    }
-
-    #[test]
-    fn bias_penalises_distance_per_head() {
-        let positions = Positions { query: 3, key: 0 };
-        let bias = alibi_bias(2, positions, 1, 4, (&Device::flex(), DType::F32));
-        let values = bias.into_data().try_into_vec_as::<f32>().unwrap();
-        // Head 0 slope 1/16... for 2 heads: 2^-4 and 2^-8.
-        let (s0, s1) = (2f32.powi(-4), 2f32.powi(-8));
-        assert_eq!(
-            values,
-            vec![
-                -3.0 * s0,
-                -2.0 * s0,
-                -s0,
-                0.0,
-                -3.0 * s1,
-                -2.0 * s1,
-                -s1,
-                0.0
-            ]
-        );
     }
 }

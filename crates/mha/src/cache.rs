@@ -1,10 +1,12 @@
 //! Key/value caches for incremental decoding: projected keys and values are stored, never
-//! queries, so a step that feeds `n` new tokens costs `O(n · cached length)`.
+//! queries, so a step that feeds `n` new tokens costs `O(n · cached length)`. A cache may keep
+//! every position, a fixed number, a sliding window, or a window with the first positions
+//! pinned (StreamingLLM's attention sinks); in f32 or in int8 with per-position scales.
 
 use core::fmt;
 
 use burn::module::ParamId;
-use burn::tensor::{Bool, Device, Tensor};
+use burn::tensor::{Bool, DType, Device, FloatDType, Int, IntDType, Tensor};
 
 use crate::mask::Positions;
 
@@ -19,6 +21,28 @@ pub enum CacheLimit {
     /// Sliding-window attention: each query sees itself and the `window - 1` positions before
     /// it; older entries are evicted (as candle's rotating cache).
     SlidingWindow(usize),
+    /// StreamingLLM (Xiao et al. 2023): the first `sinks` positions are kept for good and every
+    /// query sees them, besides the sliding window of `window` positions up to its own. Keys
+    /// keep the positions they were rotated at (RoPE) and measured from (ALiBi).
+    StreamingWindow {
+        /// Positions kept from the start of the sequence.
+        sinks: usize,
+        /// Positions each query sees up to its own.
+        window: usize,
+    },
+}
+
+/// How a [`KvCache`] stores keys and values.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum CacheStorage {
+    /// In the module's float type (the default).
+    #[default]
+    Float,
+    /// int8, with one f32 scale per position and head (`max |x| / 127`), dequantized for each
+    /// step's attention: 1 + 4 / head_dim bytes per element instead of 4 (3.76 times as many
+    /// positions in the same memory at a head width of 64). The step's own new keys are used
+    /// unquantized.
+    Int8,
 }
 
 /// Why a cached forward was refused. The cache is left unchanged.
@@ -48,6 +72,11 @@ pub enum CacheError {
         cached: usize,
         /// Positions this step adds.
         new: usize,
+    },
+    /// The cache's storage cannot live on this device (int8 where the backend has no i8).
+    Storage {
+        /// What the device lacks.
+        reason: String,
     },
     /// The cache holds keys and values of another attention module.
     OtherModule {
@@ -81,6 +110,7 @@ impl fmt::Display for CacheError {
                  ({new}) or cached plus new keys ({})",
                 cached + new
             ),
+            Self::Storage { reason } => write!(f, "KV cache storage: {reason}"),
             Self::OtherModule { cached, module } => write!(
                 f,
                 "KV cache filled by another attention module ({cached}) than this step's \
@@ -111,16 +141,130 @@ impl core::error::Error for CacheError {}
 #[derive(Debug, Clone)]
 pub struct KvCache {
     /// `[batch, n_kv_heads, stored, head_dim]`.
-    key: Option<Tensor<4>>,
+    key: Option<Stored>,
     /// `[batch, n_kv_heads, stored, value_dim]`.
-    value: Option<Tensor<4>>,
+    value: Option<Stored>,
     /// `[batch, stored]`, `true` = padding; `None` while no step gave a padding mask.
     padding: Option<Tensor<2, Bool>>,
     /// Positions seen since the start (the next token's absolute position).
     seen: usize,
     limit: CacheLimit,
+    storage: CacheStorage,
     /// The module whose keys and values the cache holds, once a step stored some.
     owner: Option<CacheOwner>,
+}
+
+/// Stored keys or values, `[batch, heads, stored, dim]`.
+#[derive(Debug, Clone)]
+// The int8 variant holds two tensors; the enum lives in a cache, two per layer, never in bulk.
+#[allow(clippy::large_enum_variant)]
+enum Stored {
+    Float(Tensor<4>),
+    /// Values in i8 and one scale per position and head, `[batch, heads, stored, 1]`.
+    Int8 {
+        values: Tensor<4, Int>,
+        scales: Tensor<4>,
+    },
+}
+
+impl Stored {
+    fn new(tensor: Tensor<4>, storage: CacheStorage) -> Self {
+        match storage {
+            CacheStorage::Float => Self::Float(tensor),
+            CacheStorage::Int8 => {
+                let tensor = tensor.detach();
+                let scales = tensor
+                    .clone()
+                    .abs()
+                    .max_dim(3)
+                    .div_scalar(127.0)
+                    .clamp_min(f32::MIN_POSITIVE);
+                let values = (tensor / scales.clone())
+                    .round()
+                    .clamp(-127.0, 127.0)
+                    .cast(IntDType::I8);
+                Self::Int8 { values, scales }
+            }
+        }
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            Self::Float(tensor) => tensor.dims()[2],
+            Self::Int8 { scales, .. } => scales.dims()[2],
+        }
+    }
+
+    fn batch(&self) -> usize {
+        match self {
+            Self::Float(tensor) => tensor.dims()[0],
+            Self::Int8 { scales, .. } => scales.dims()[0],
+        }
+    }
+
+    /// The stored positions as floats, in `dtype`.
+    fn read(&self, dtype: DType) -> Tensor<4> {
+        match self {
+            Self::Float(tensor) => tensor.clone(),
+            Self::Int8 { values, scales } => {
+                values.clone().cast(FloatDType::from(dtype)) * scales.clone().cast(dtype)
+            }
+        }
+    }
+
+    fn cat(self, other: Self) -> Self {
+        match (self, other) {
+            (Self::Float(a), Self::Float(b)) => Self::Float(Tensor::cat(vec![a, b], 2)),
+            (
+                Self::Int8 { values, scales },
+                Self::Int8 {
+                    values: new_values,
+                    scales: new_scales,
+                },
+            ) => Self::Int8 {
+                values: Tensor::cat(vec![values, new_values], 2),
+                scales: Tensor::cat(vec![scales, new_scales], 2),
+            },
+            _ => unreachable!("one cache has one storage"),
+        }
+    }
+
+    /// Positions `ranges` (in order), concatenated.
+    fn select(self, ranges: &[(usize, usize)]) -> Self {
+        let pick = |tensor: Tensor<4>| {
+            Tensor::cat(
+                ranges
+                    .iter()
+                    .map(|&(start, len)| tensor.clone().narrow(2, start, len))
+                    .collect(),
+                2,
+            )
+        };
+        match self {
+            Self::Float(tensor) => Self::Float(pick(tensor)),
+            Self::Int8 { values, scales } => Self::Int8 {
+                values: Tensor::cat(
+                    ranges
+                        .iter()
+                        .map(|&(start, len)| values.clone().narrow(2, start, len))
+                        .collect(),
+                    2,
+                ),
+                scales: pick(scales),
+            },
+        }
+    }
+
+    /// Bytes the stored tensors take.
+    fn bytes(&self) -> usize {
+        let size = |dims: [usize; 4], dtype: DType| dims.iter().product::<usize>() * dtype.size();
+        match self {
+            Self::Float(tensor) => size(tensor.dims(), tensor.dtype()),
+            Self::Int8 { values, scales } => {
+                size(values.dims(), values.dtype()) + size(scales.dims(), scales.dtype())
+            }
+        }
+    }
 }
 
 /// Which attention module filled a cache: its key projection's parameter id and its head
@@ -151,8 +295,11 @@ impl fmt::Display for CacheOwner {
 pub(crate) struct CacheStep {
     owner: CacheOwner,
     new: usize,
-    /// Absolute positions of the new queries and of the first key the step attends to.
+    /// Absolute positions of the new queries and of the first unpinned key the step attends
+    /// to.
     pub positions: Positions,
+    /// Keys at the front at positions `0..pinned_keys` (a streaming cache's sinks).
+    pub pinned_keys: usize,
     /// Padding of the cached plus new keys, `[batch, stored + new]`.
     pub padding: Option<Tensor<2, Bool>>,
     /// Keys the step attends to: cached plus new.
@@ -173,14 +320,19 @@ impl KvCache {
         Self::with_limit(CacheLimit::Unbounded)
     }
 
-    /// An empty cache with a capacity or a sliding window.
+    /// An empty cache with a capacity or a window.
     ///
     /// # Panics
     ///
     /// Panics on a zero capacity or window.
     pub fn with_limit(limit: CacheLimit) -> Self {
-        if let CacheLimit::Fixed(0) | CacheLimit::SlidingWindow(0) = limit {
-            panic!("KvCache: a capacity or window of 0 positions can hold nothing");
+        match limit {
+            CacheLimit::Fixed(0)
+            | CacheLimit::SlidingWindow(0)
+            | CacheLimit::StreamingWindow { window: 0, .. } => {
+                panic!("KvCache: a capacity or window of 0 positions can hold nothing")
+            }
+            _ => {}
         }
         Self {
             key: None,
@@ -188,8 +340,23 @@ impl KvCache {
             padding: None,
             seen: 0,
             limit,
+            storage: CacheStorage::Float,
             owner: None,
         }
+    }
+
+    /// The same cache storing keys and values as `storage` says.
+    ///
+    /// # Panics
+    ///
+    /// If the cache already holds positions.
+    pub fn with_storage(mut self, storage: CacheStorage) -> Self {
+        assert!(
+            self.is_empty(),
+            "KvCache: the storage is chosen before the first step"
+        );
+        self.storage = storage;
+        self
     }
 
     /// Positions fed so far (the absolute position of the next token).
@@ -202,14 +369,23 @@ impl KvCache {
         self.seen == 0
     }
 
-    /// Positions held now (fewer than [`len`](Self::len) once a sliding window evicts).
+    /// Positions held now (fewer than [`len`](Self::len) once a window evicts).
     pub fn stored(&self) -> usize {
-        self.key.as_ref().map_or(0, |key| key.dims()[2])
+        self.key.as_ref().map_or(0, Stored::len)
     }
 
-    /// Empties the cache, keeping its limit.
+    /// Bytes the stored keys and values take (padding not counted).
+    pub fn bytes(&self) -> usize {
+        [&self.key, &self.value]
+            .into_iter()
+            .flatten()
+            .map(Stored::bytes)
+            .sum()
+    }
+
+    /// Empties the cache, keeping its limit and storage.
     pub fn reset(&mut self) {
-        *self = Self::with_limit(self.limit);
+        *self = Self::with_limit(self.limit).with_storage(self.storage);
     }
 
     /// The capacity or window the cache was made with.
@@ -217,8 +393,22 @@ impl KvCache {
         self.limit
     }
 
+    /// How the cache stores keys and values.
+    pub fn storage(&self) -> CacheStorage {
+        self.storage
+    }
+
     fn batch(&self) -> Option<usize> {
-        self.key.as_ref().map(|key| key.dims()[0])
+        self.key.as_ref().map(Stored::batch)
+    }
+
+    /// Keys at the front that are pinned (a streaming cache's sinks), of the first `keys`
+    /// positions.
+    fn pinned(&self, keys: usize) -> usize {
+        match self.limit {
+            CacheLimit::StreamingWindow { sinks, .. } => sinks.min(keys),
+            _ => 0,
+        }
     }
 
     /// Checks a step of `new` tokens of `batch` sequences by `owner`, with this step's padding
@@ -254,26 +444,39 @@ impl KvCache {
                 new,
             });
         }
+        if self.storage == CacheStorage::Int8 && !device.supports_dtype(DType::I8) {
+            return Err(CacheError::Storage {
+                reason: format!("{device:?} has no i8 tensors; use CacheStorage::Float"),
+            });
+        }
         let stored = self.stored();
+        // The step's keys at positions below `sinks`, new ones included: until the sinks are
+        // all seen nothing is evicted, so the keys are positions `0..seen + new` in order.
+        let pinned = self.pinned(self.seen + new);
         Ok(CacheStep {
             owner,
             new,
             positions: Positions {
-                query: self.seen,
-                key: self.seen - stored,
+                query: self.seen as i64,
+                // The first unpinned key's position.
+                key: (self.seen + pinned - stored) as i64,
             },
+            pinned_keys: pinned,
             padding: self.padding_with(padding, batch, new, device)?,
             keys: stored + new,
             window: match self.limit {
-                CacheLimit::SlidingWindow(window) => Some(window),
+                CacheLimit::SlidingWindow(window) | CacheLimit::StreamingWindow { window, .. } => {
+                    Some(window)
+                }
                 _ => None,
             },
         })
     }
 
     /// Stores a step's projected keys and values (`[batch, n_kv_heads, new, head_dim]`) and
-    /// returns the cached plus new ones the step attends to. Then evicts what a sliding window
-    /// no longer needs: the `window - 1` latest positions are kept for the next token.
+    /// returns the cached plus new ones the step attends to. Then evicts what a window no
+    /// longer needs: the `window - 1` latest positions are kept for the next token (and a
+    /// streaming cache's sinks).
     ///
     /// # Panics
     ///
@@ -294,31 +497,65 @@ impl KvCache {
             step.new,
             step.owner
         );
-        let (key, value) = match (self.key.take(), self.value.take()) {
+        let dtype = key.dtype();
+        // What the step attends to: the stored positions as stored, its own exactly.
+        let (attended_key, attended_value) = match (&self.key, &self.value) {
             (Some(past_key), Some(past_value)) => (
-                Tensor::cat(vec![past_key, key], 2),
-                Tensor::cat(vec![past_value, value], 2),
+                Tensor::cat(vec![past_key.read(dtype), key.clone()], 2),
+                Tensor::cat(vec![past_value.read(dtype), value.clone()], 2),
             ),
-            _ => (key, value),
+            _ => (key.clone(), value.clone()),
+        };
+        let (new_key, new_value) = (
+            Stored::new(key, self.storage),
+            Stored::new(value, self.storage),
+        );
+        let (key, value) = match (self.key.take(), self.value.take()) {
+            (Some(past_key), Some(past_value)) => {
+                (past_key.cat(new_key), past_value.cat(new_value))
+            }
+            _ => (new_key, new_value),
         };
         self.seen += step.new;
         self.owner = Some(step.owner);
-        let (mut kept_key, mut kept_value, mut kept_padding) =
-            (key.clone(), value.clone(), step.padding);
-        if let CacheLimit::SlidingWindow(window) = self.limit {
-            let stored = key.dims()[2];
-            let keep = (window - 1).min(stored);
-            let drop = stored - keep;
-            if drop > 0 {
-                kept_key = kept_key.narrow(2, drop, keep);
-                kept_value = kept_value.narrow(2, drop, keep);
-                kept_padding = kept_padding.map(|p| p.narrow(1, drop, keep));
+        let stored = key.len();
+        let keep = self.kept(stored);
+        match keep {
+            Some(ranges) => {
+                self.padding = step.padding.map(|padding| {
+                    Tensor::cat(
+                        ranges
+                            .iter()
+                            .map(|&(start, len)| padding.clone().narrow(1, start, len))
+                            .collect(),
+                        1,
+                    )
+                });
+                self.key = Some(key.select(&ranges));
+                self.value = Some(value.select(&ranges));
+            }
+            None => {
+                self.padding = step.padding;
+                self.key = Some(key);
+                self.value = Some(value);
             }
         }
-        self.key = Some(kept_key);
-        self.value = Some(kept_value);
-        self.padding = kept_padding;
-        (key, value)
+        (attended_key, attended_value)
+    }
+
+    /// The position ranges `(start, length)` a window keeps of `stored`, or `None` to keep all.
+    fn kept(&self, stored: usize) -> Option<Vec<(usize, usize)>> {
+        let (pinned, window) = match self.limit {
+            CacheLimit::SlidingWindow(window) => (0, window),
+            CacheLimit::StreamingWindow { sinks, window } => (sinks.min(stored), window),
+            _ => return None,
+        };
+        let recent = (window - 1).min(stored - pinned);
+        if pinned + recent == stored {
+            return None;
+        }
+        let ranges = [(0, pinned), (stored - recent, recent)];
+        Some(ranges.into_iter().filter(|&(_, len)| len > 0).collect())
     }
 
     /// The padding of stored plus new keys, given this step's mask (`[batch, new]` or

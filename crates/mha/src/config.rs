@@ -9,7 +9,7 @@ use burn::nn::{DropoutConfig, Initializer, Linear, LinearConfig};
 use burn::tensor::{Device, Tensor};
 
 use crate::module::MultiHeadAttention;
-use crate::rotary::RopeConfig;
+use crate::rotary::{Rope, RopeConfig};
 
 /// How the parameters of a [`MultiHeadAttention`] are initialised.
 #[derive(Config, Debug, PartialEq)]
@@ -80,6 +80,22 @@ pub struct MultiHeadAttentionConfig {
     /// Add ALiBi's per-head linear distance penalty to the scores. Default: false.
     #[config(default = false)]
     pub alibi: bool,
+    /// Sliding-window attention: each query sees the `window` positions up to and including
+    /// its own (Mistral's `sliding_window`; FlashAttention's `window_size = (window - 1, 0)`
+    /// with causal masking, `(window - 1, window - 1)` without). Applies to every forward, cached
+    /// or not. Must be positive. Default: `None`, no window.
+    #[config(default = "None")]
+    pub window: Option<usize>,
+    /// Logit soft-capping: scores become `softcap · tanh(score / softcap)` after scaling and
+    /// before masks and biases (Gemma 2; Burn's `AttentionModuleOptions::softcap`). Must be
+    /// finite and positive. Default: `None`.
+    #[config(default = "None")]
+    pub softcap: Option<f64>,
+    /// Learned attention sinks: one logit per query head that joins every softmax's denominator
+    /// (as gpt-oss), so that a head may attend to nothing; trained with the rest (initialised
+    /// to 0). Default: false.
+    #[config(default = false)]
+    pub attention_sinks: bool,
     /// How the parameters are initialised. Default: [`AttentionInitializer::PyTorch`].
     #[config(default = "AttentionInitializer::PyTorch")]
     pub initializer: AttentionInitializer,
@@ -121,6 +137,8 @@ impl MultiHeadAttentionConfig {
         self.resolve().map(|_| ())
     }
 
+    // One rule after another, each a few lines: longer than most functions, kept whole so
+    // that every rule of the configuration is read in one place.
     pub(crate) fn resolve(&self) -> Result<ResolvedSizes, ConfigError> {
         let error = |field, reason: String| Err(ConfigError { field, reason });
         if self.d_model == 0 {
@@ -177,15 +195,27 @@ impl MultiHeadAttentionConfig {
                 format!("needs an even head_dim (d_model / n_heads), got {head_dim}"),
             );
         }
-        if let Some(rope) = &self.rope
-            && (!rope.theta.is_finite() || rope.theta <= 1.0)
+        if let Some(rope) = &self.rope {
+            rope.validate().map_err(|reason| ConfigError {
+                field: "rope",
+                reason,
+            })?;
+        }
+        if self.attention_sinks && self.quiet_softmax {
+            return error(
+                "attention_sinks",
+                "cannot go with `quiet_softmax`, which is a sink of logit 0 already".into(),
+            );
+        }
+        if self.window == Some(0) {
+            return error("window", "must be positive, got 0".into());
+        }
+        if let Some(softcap) = self.softcap
+            && (!softcap.is_finite() || softcap <= 0.0)
         {
             return error(
-                "rope",
-                format!(
-                    "theta must be finite and greater than 1, got {}",
-                    rope.theta
-                ),
+                "softcap",
+                format!("must be finite and positive, got {softcap}"),
             );
         }
         Ok(ResolvedSizes {
@@ -266,8 +296,13 @@ impl MultiHeadAttentionConfig {
             custom_scale: self.scale.is_some(),
             add_zero_attn: self.add_zero_attn,
             quiet_softmax: self.quiet_softmax,
-            rope: self.rope.clone(),
+            rope: self.rope.clone().map(Rope::new),
             alibi: self.alibi,
+            window: self.window,
+            softcap: self.softcap,
+            sinks: self
+                .attention_sinks
+                .then(|| Initializer::Zeros.init([self.n_heads], device)),
         })
     }
 
@@ -313,6 +348,7 @@ mod tests {
             .expect_err("configuration should be refused")
     }
 
+    // A table of (configuration, field, rule) rows: it grows by a row per rule.
     #[test]
     fn every_rule_names_its_field() {
         let base = || MultiHeadAttentionConfig::new(16, 4);
@@ -374,6 +410,22 @@ mod tests {
                 base().with_scale(Some(f64::INFINITY)),
                 "scale",
                 "finite and positive",
+            ),
+            (base().with_window(Some(0)), "window", "must be positive"),
+            (
+                base().with_softcap(Some(0.0)),
+                "softcap",
+                "finite and positive",
+            ),
+            (
+                base().with_softcap(Some(f64::NAN)),
+                "softcap",
+                "finite and positive",
+            ),
+            (
+                base().with_rope(Some(RopeConfig::new().with_theta(1.0))),
+                "rope",
+                "theta must be finite and greater than 1",
             ),
         ];
         for (config, field, rule) in cases {

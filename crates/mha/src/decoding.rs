@@ -59,9 +59,15 @@ impl MultiHeadAttention {
             key_padding_mask,
             attn_mask,
             causal,
+            segment_ids,
             need_weights,
             path,
         } = input;
+        assert!(
+            segment_ids.is_none(),
+            "MultiHeadAttention: `segment_ids` (packed sequences) are not taken under a KV cache; \
+             decode each sequence with its own cache"
+        );
         let step = cache.begin(
             self.cache_owner(),
             geometry.batch,
@@ -73,14 +79,19 @@ impl MultiHeadAttention {
             key_padding: step.padding.clone(),
             attn_mask,
             causal,
-            window: step.window,
+            window: match (step.window, self.window) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            },
             alibi: self.alibi,
             positions: step.positions,
+            pinned_keys: step.pinned_keys,
+            segments: None,
             extra_keys: self.extra_keys(),
         };
         let geometry = self.geometry(geometry.batch, geometry.seq_q, step.keys);
         let plan = self.plan(visibility, geometry, path, need_weights, &query);
-        let first_query = step.positions.query;
+        let first_query = step.positions.rope_query();
         let query = self.project_query(query, first_query);
         let (key, value) = self.project_key_value(key, value, first_query);
         let (key, value) = cache.append(step, key, value);
@@ -171,6 +182,8 @@ impl MultiHeadAttention {
             window: None,
             alibi: false,
             positions: Positions::default(),
+            pinned_keys: 0,
+            segments: None,
             extra_keys: self.extra_keys(),
         };
         let geometry = self.geometry(batch, seq_q, cache.seq_k);

@@ -35,7 +35,9 @@ pub(crate) struct KernelRequest<'a> {
     pub need_weights: NeedWeights,
     /// Dropout changes the weights in this forward (training mode, autodiff device, p > 0).
     pub dropout_active: bool,
-    pub quiet_softmax: bool,
+    /// The softmax has a sink logit (learned attention sinks, or the quiet softmax's 0), which
+    /// Burn's fused op has no place for.
+    pub sinks: bool,
     /// The caller's float attention mask is a tensor that needs a gradient.
     pub float_mask_requires_grad: bool,
     /// `batch · n_heads · seq_q · seq_k`, appended keys included.
@@ -47,9 +49,9 @@ pub(crate) struct KernelRequest<'a> {
 ///
 /// # Panics
 ///
-/// If the request forces a path that cannot compute it (weights, dropout or a quiet softmax on
-/// anything but the explicit path; the flash path where it is not compiled or with a float
-/// mask that needs a gradient), or forces block sizes of zero.
+/// If the request forces a path that cannot compute it (weights or dropout on anything but the
+/// explicit path; a sink logit on the fused path; the flash path where it is not compiled or
+/// with a float mask that needs a gradient), or forces block sizes of zero.
 #[track_caller]
 pub(crate) fn choose_kernel(request: &KernelRequest) -> Kernel {
     let explicit_only = explicit_only_reason(request);
@@ -63,7 +65,13 @@ pub(crate) fn choose_kernel(request: &KernelRequest) -> Kernel {
     };
     match request.path {
         AttentionPath::Explicit => Kernel::Explicit,
-        AttentionPath::Fused => forced(Kernel::Fused, "AttentionPath::Fused", explicit_only),
+        AttentionPath::Fused => forced(
+            Kernel::Fused,
+            "AttentionPath::Fused",
+            explicit_only.or(request
+                .sinks
+                .then_some("the softmax has a sink (attention sinks or the quiet softmax)")),
+        ),
         AttentionPath::Chunked(blocks) => {
             check_blocks(blocks, "AttentionPath::Chunked");
             forced(
@@ -102,6 +110,8 @@ pub(crate) fn choose_kernel(request: &KernelRequest) -> Kernel {
         {
             Kernel::Chunked(CHUNKED_AUTO_BLOCKS)
         }
+        // Burn's fused op has no sink logit.
+        AttentionPath::Auto if request.sinks => Kernel::Explicit,
         AttentionPath::Auto => Kernel::Fused,
     }
 }
@@ -112,8 +122,6 @@ fn explicit_only_reason(request: &KernelRequest) -> Option<&'static str> {
         Some("attention weights are requested")
     } else if request.dropout_active {
         Some("dropout is active")
-    } else if request.quiet_softmax {
-        Some("the softmax is quiet")
     } else {
         None
     }
@@ -163,7 +171,7 @@ mod tests {
             path: AttentionPath::Auto,
             need_weights: NeedWeights::No,
             dropout_active: false,
-            quiet_softmax: false,
+            sinks: false,
             float_mask_requires_grad: false,
             score_elements: 1,
             device,
@@ -182,7 +190,7 @@ mod tests {
     }
 
     #[test]
-    fn auto_takes_the_explicit_path_for_weights_dropout_and_quiet_softmax() {
+    fn auto_takes_the_explicit_path_for_weights_and_dropout() {
         let device = Device::flex().autodiff();
         let base = request(&device);
         let cases = [
@@ -192,10 +200,6 @@ mod tests {
             },
             KernelRequest {
                 dropout_active: true,
-                ..base.clone()
-            },
-            KernelRequest {
-                quiet_softmax: true,
                 ..base.clone()
             },
         ];

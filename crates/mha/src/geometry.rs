@@ -1,5 +1,4 @@
-//! [`Geometry`]: the sizes of one attention call, and the bottom-right causal alignment that
-//! every kernel reads off them.
+//! [`Geometry`]: the sizes of one attention call, and the bottom-right causal alignment.
 
 /// The sizes of one attention call on split heads:
 ///
@@ -78,11 +77,6 @@ impl Geometry {
     pub fn score_elements(&self) -> usize {
         self.batch * self.n_heads * self.seq_q * self.seq_k
     }
-
-    /// With bottom-right causal masking, query `query` sees keys `0..causal_key_end(query)`.
-    pub fn causal_key_end(&self, query: usize) -> usize {
-        causal_key_end(query, self.seq_q, self.seq_k)
-    }
 }
 
 /// Bottom-right causal alignment (FlashAttention's): query `i` of `seq_q` sees key `j` of
@@ -91,28 +85,9 @@ pub(crate) fn causal_offset(seq_q: usize, seq_k: usize) -> i64 {
     seq_k as i64 - seq_q as i64
 }
 
-/// Query `query` of `seq_q` sees keys `0..causal_key_end(query, seq_q, seq_k)` under
-/// bottom-right causal masking (0 when it sees none: more queries than keys).
-pub(crate) fn causal_key_end(query: usize, seq_q: usize, seq_k: usize) -> usize {
-    (query + 1 + seq_k).saturating_sub(seq_q).min(seq_k)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn causal_key_end_and_offset_describe_the_same_alignment() {
-        for (seq_q, seq_k) in [(3, 3), (2, 5), (5, 2), (1, 7), (7, 1)] {
-            for query in 0..seq_q {
-                let end = causal_key_end(query, seq_q, seq_k);
-                for key in 0..seq_k {
-                    let visible = key as i64 <= query as i64 + causal_offset(seq_q, seq_k);
-                    assert_eq!(visible, key < end, "q {query} k {key} of {seq_q}x{seq_k}");
-                }
-            }
-        }
-    }
 
     #[test]
     fn grouped_heads_read_their_key_value_head() {

@@ -1,6 +1,6 @@
 //! What a [`MultiHeadAttention`](crate::MultiHeadAttention) forward takes and returns.
 
-use burn::tensor::{Bool, Tensor};
+use burn::tensor::{Bool, Int, Tensor};
 
 /// Which attention weights a forward returns (PyTorch's `need_weights` and
 /// `average_attn_weights`).
@@ -23,8 +23,8 @@ pub enum NeedWeights {
 pub enum AttentionPath {
     /// Let the module choose (the default), in this order:
     ///
-    /// 1. **Explicit** when the weights are requested, dropout is active (training mode on an
-    ///    autodiff device) or the softmax is quiet: only the explicit path can do those.
+    /// 1. **Explicit** when the weights are requested or dropout is active (training mode on an
+    ///    autodiff device): only the explicit path can do those.
     /// 2. **Flash** where it runs natively (flex and ndarray, with this crate's features of
     ///    those names), for inference and training, unless a float attention mask requires a
     ///    gradient (the flash op treats masks as constants). It is the fastest path at every size
@@ -36,11 +36,13 @@ pub enum AttentionPath {
     ///    decomposed fallback that is slower than the explicit path).
     /// 5. For inference: **Chunked** above [`CHUNKED_THRESHOLD`](crate::CHUNKED_THRESHOLD)
     ///    score elements on a backend other than flex (whose fused op is tiled already), else
-    ///    **Fused** (a single flash kernel on the CubeCL backends).
+    ///    **Fused** (a single flash kernel on the CubeCL backends), unless the softmax has a
+    ///    sink logit (attention sinks, the quiet softmax), which only the other paths take:
+    ///    then **Explicit**.
     #[default]
     Auto,
     /// Burn's fused `burn::tensor::module::attention` (flash kernels on flex and CubeCL
-    /// backends). Cannot return weights, apply dropout or a quiet softmax.
+    /// backends). Cannot return weights, apply dropout, attention sinks or a quiet softmax.
     Fused,
     /// Scores, softmax and weighted sum as separate tensor operations; materialises the
     /// `[batch, n_heads, seq_q, seq_k]` weights. Can do everything, and is the reference the
@@ -48,14 +50,14 @@ pub enum AttentionPath {
     Explicit,
     /// Query blocks × key blocks with an online softmax, in ordinary tensor operations: never
     /// holds more than one block of scores, so inference memory stays bounded at any length
-    /// (under autodiff every block is kept for the backward pass). Cannot return weights, apply
-    /// dropout or a quiet softmax.
+    /// (under autodiff every block is kept for the backward pass). Cannot return weights or
+    /// apply dropout.
     Chunked(BlockSizes),
     /// The blocked computation as one autodiff op whose backward recomputes each score block
-    /// from the saved log-sum-exp (FlashAttention-2): training memory stays `O(seq)` too. Runs
+    /// from the saved softmax statistics (FlashAttention-2): training memory stays `O(seq)`. Runs
     /// on the backends [`flash_attention_supported`](crate::flash_attention_supported) accepts;
-    /// a float attention mask gets no gradient through it. Cannot return weights, apply dropout
-    /// or a quiet softmax. See [`BlockSizes`] for how its native CPU kernel reads the sizes.
+    /// a float attention mask gets no gradient through it. Cannot return weights or apply
+    /// dropout. See [`BlockSizes`] for how its native CPU kernel reads the sizes.
     Flash(BlockSizes),
 }
 
@@ -187,6 +189,8 @@ pub struct MhaInput {
     pub(crate) key_padding_mask: Option<Tensor<2, Bool>>,
     pub(crate) attn_mask: Option<AttnMask>,
     pub(crate) causal: bool,
+    /// Segment ids of the queries, and of the keys when they differ (cross-attention).
+    pub(crate) segment_ids: Option<(Tensor<2, Int>, Option<Tensor<2, Int>>)>,
     pub(crate) need_weights: NeedWeights,
     pub(crate) path: AttentionPath,
 }
@@ -216,6 +220,7 @@ impl MhaInput {
             key_padding_mask: None,
             attn_mask: None,
             causal: false,
+            segment_ids: None,
             need_weights: NeedWeights::No,
             path: AttentionPath::Auto,
         }
@@ -242,6 +247,25 @@ impl MhaInput {
     /// needs. Combines with the other masks.
     pub fn causal(mut self) -> Self {
         self.causal = true;
+        self
+    }
+
+    /// Packed sequences (several documents in one row): `[batch, seq]` segment ids, one per
+    /// position; a query attends only to the keys of its own segment (FlashAttention's varlen
+    /// attention, with ids in place of cumulative lengths). Self-attention: the ids serve
+    /// queries and keys. With `.causal()`, masking is causal within each segment. Ids that never
+    /// decrease along a row (documents one after another) let the kernels skip whole blocks
+    /// between segments; any ids are correct. Combines with the other masks; RoPE and ALiBi
+    /// are relative, so positions need not restart per document.
+    pub fn segment_ids(mut self, ids: Tensor<2, Int>) -> Self {
+        self.segment_ids = Some((ids, None));
+        self
+    }
+
+    /// [`segment_ids`](Self::segment_ids) for cross-attention: the queries' `[batch, seq_q]`
+    /// and the keys' `[batch, seq_k]`.
+    pub fn segment_ids_cross(mut self, query_ids: Tensor<2, Int>, key_ids: Tensor<2, Int>) -> Self {
+        self.segment_ids = Some((query_ids, Some(key_ids)));
         self
     }
 

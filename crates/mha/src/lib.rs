@@ -57,10 +57,11 @@ mod kernel;
 mod mask;
 mod module;
 mod rotary;
+mod rules;
 mod shape;
 
 pub use alibi::alibi_slopes;
-pub use cache::{CacheError, CacheLimit, CacheOwner, CrossAttentionCache, KvCache};
+pub use cache::{CacheError, CacheLimit, CacheOwner, CacheStorage, CrossAttentionCache, KvCache};
 pub use config::{AttentionInitializer, ConfigError, MultiHeadAttentionConfig};
 pub use dispatch::CHUNKED_THRESHOLD;
 pub use flash::flash_attention_supported;
@@ -70,7 +71,7 @@ pub use input::{
 };
 pub use mask::causal_mask;
 pub use module::MultiHeadAttention;
-pub use rotary::{RopeConfig, RopeLayout};
+pub use rotary::{RopeConfig, RopeLayout, RopeScaling};
 
 #[cfg(feature = "pytorch")]
 pub mod pytorch;

@@ -12,8 +12,8 @@ use crate::flash::flash_attention;
 use crate::geometry::Geometry;
 use crate::input::{AttentionPath, AttentionWeights, MhaInput, MhaOutput, NeedWeights};
 use crate::kernel::{SoftmaxOptions, chunked_attention, explicit_attention, fused_attention};
-use crate::mask::{Positions, Visibility};
-use crate::rotary::RopeConfig;
+use crate::mask::{Positions, SegmentIds, Visibility};
+use crate::rotary::{Rope, RopeConfig};
 use crate::shape::check_shape;
 
 /// Multi-head attention ("Attention Is All You Need"), with PyTorch `nn.MultiheadAttention`'s
@@ -60,8 +60,15 @@ pub struct MultiHeadAttention {
     pub(crate) add_zero_attn: bool,
     pub(crate) quiet_softmax: bool,
     #[module(skip)]
-    pub(crate) rope: Option<RopeConfig>,
+    pub(crate) rope: Option<Rope>,
     pub(crate) alibi: bool,
+    #[module(skip)]
+    pub(crate) window: Option<usize>,
+    #[module(skip)]
+    pub(crate) softcap: Option<f64>,
+    /// One learned logit per query head in every softmax's denominator
+    /// (`attention_sinks`), `[n_heads]`.
+    pub sinks: Option<Param<Tensor<1>>>,
 }
 
 impl ModuleDisplay for MultiHeadAttention {
@@ -86,9 +93,15 @@ impl ModuleDisplay for MultiHeadAttention {
             .add("quiet_softmax", &self.quiet_softmax)
             .add(
                 "rope",
-                &self.rope.as_ref().map(|rope| format!("{:?}", rope.layout)),
+                &self
+                    .rope
+                    .as_ref()
+                    .map(|rope| format!("{:?}", rope.config.layout)),
             )
             .add("alibi", &self.alibi)
+            .add("window", &self.window.map(|w| w.to_string()))
+            .add("softcap", &self.softcap.map(|c| c.to_string()))
+            .add("attention_sinks", &self.sinks.is_some())
             .optional()
     }
 }
@@ -152,12 +165,22 @@ impl MultiHeadAttention {
 
     /// The rotary position embedding of queries and keys, if any.
     pub fn rope(&self) -> Option<&RopeConfig> {
-        self.rope.as_ref()
+        self.rope.as_ref().map(|rope| &rope.config)
     }
 
     /// Whether ALiBi's distance penalty is added to the scores.
     pub fn alibi(&self) -> bool {
         self.alibi
+    }
+
+    /// The sliding window, if any: each query sees this many positions up to its own.
+    pub fn window(&self) -> Option<usize> {
+        self.window
+    }
+
+    /// The logit soft cap, if any.
+    pub fn softcap(&self) -> Option<f64> {
+        self.softcap
     }
 }
 
@@ -200,25 +223,31 @@ impl MultiHeadAttention {
             key_padding_mask,
             attn_mask,
             causal,
+            segment_ids,
             need_weights,
             path,
         } = input;
         let positions = Positions {
-            query: geometry.seq_k.saturating_sub(geometry.seq_q),
+            query: geometry.seq_k as i64 - geometry.seq_q as i64,
             key: 0,
         };
         let visibility = Visibility {
             key_padding: key_padding_mask,
             attn_mask,
             causal,
-            window: None,
+            window: self.window,
             alibi: self.alibi,
             positions,
+            pinned_keys: 0,
+            segments: segment_ids.map(|(query, key)| SegmentIds {
+                key: key.unwrap_or_else(|| query.clone()),
+                query,
+            }),
             extra_keys: self.extra_keys(),
         };
         let plan = self.plan(visibility, geometry, path, need_weights, &query);
-        let query = self.project_query(query, positions.query);
-        let (key, value) = self.project_key_value(key, value, positions.key);
+        let query = self.project_query(query, positions.rope_query());
+        let (key, value) = self.project_key_value(key, value, 0);
         let (key, value) = self.append_extra_positions(key, value);
         self.attend(query, key, value, &plan)
     }
@@ -324,7 +353,7 @@ impl MultiHeadAttention {
             path,
             need_weights,
             dropout_active,
-            quiet_softmax: self.quiet_softmax,
+            sinks: self.quiet_softmax || self.sinks.is_some(),
             float_mask_requires_grad: visibility.float_mask_requires_grad(),
             score_elements: geometry.score_elements()
                 + geometry.batch * geometry.n_heads * geometry.seq_q * self.extra_keys(),
@@ -391,27 +420,34 @@ impl MultiHeadAttention {
         value: Tensor<4>,
         plan: &Plan,
     ) -> MhaOutput {
+        let device = query.device();
         let masks = plan
             .visibility
-            .score_masks(&plan.geometry, (&query.device(), query.dtype()));
+            .score_masks(&plan.geometry, (&device, query.dtype()));
         let options = SoftmaxOptions {
             scale: self.scale,
             custom_scale: self.custom_scale,
-            quiet: self.quiet_softmax,
+            softcap: self.softcap,
+            // The quiet softmax is a sink of logit 0, constant.
+            sinks: match (&self.sinks, self.quiet_softmax) {
+                (Some(sinks), _) => Some(sinks.val()),
+                (None, true) => Some(Tensor::zeros([self.n_heads], &device)),
+                (None, false) => None,
+            },
         };
         let (context, weights) = match plan.kernel {
-            Kernel::Fused => (fused_attention(query, key, value, masks, options), None),
+            Kernel::Fused => (fused_attention(query, key, value, &masks, &options), None),
             Kernel::Chunked(blocks) => (
-                chunked_attention(query, key, value, &masks, options, blocks),
+                chunked_attention(query, key, value, &masks, &options, blocks),
                 None,
             ),
             Kernel::Flash(blocks) => (
-                flash_attention(query, key, value, &masks, options, blocks),
+                flash_attention(query, key, value, &masks, &options, blocks),
                 None,
             ),
             Kernel::Explicit => {
                 let (context, weights) =
-                    explicit_attention(query, key, value, &masks, options, &self.dropout);
+                    explicit_attention(query, key, value, &masks, &options, &self.dropout);
                 (context, Some(weights))
             }
         };

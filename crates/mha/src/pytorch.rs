@@ -582,7 +582,8 @@ fn floats<const N: usize>(bytes: &[u8], convert: impl Fn([u8; N]) -> f32) -> Vec
 /// add_bias_kv=…, kdim=…, vdim=…).load_state_dict(safetensors.torch.load_file(path))` takes it.
 ///
 /// Fails with [`PytorchError::Unsupported`] for a module PyTorch cannot express: grouped-query
-/// attention, a custom scale, a quiet softmax, RoPE or ALiBi.
+/// attention, a custom scale, a quiet softmax, RoPE, ALiBi, a sliding window, soft-capping or
+/// attention sinks.
 pub fn save_pytorch_mha(
     module: &MultiHeadAttention,
     path: impl AsRef<Path>,
@@ -634,6 +635,12 @@ fn pytorch_cannot_express(module: &MultiHeadAttention) -> Option<&'static str> {
         Some("the module rotates queries and keys with RoPE")
     } else if module.alibi {
         Some("the module adds ALiBi's distance penalty to the scores")
+    } else if module.window.is_some() {
+        Some("the module attends through a sliding window")
+    } else if module.softcap.is_some() {
+        Some("the module soft-caps its scores")
+    } else if module.sinks.is_some() {
+        Some("the module has attention sinks")
     } else {
         None
     }

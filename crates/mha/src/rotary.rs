@@ -1,4 +1,7 @@
-//! Rotary position embeddings (RoPE, Su et al. 2021) applied to query and key heads.
+//! Rotary position embeddings (RoPE, Su et al. 2021) applied to query and key heads, with the
+//! position scalings of long-context models, and the cos/sin table computed once per length.
+
+use std::sync::{Arc, Mutex};
 
 use burn::config::Config;
 use burn::tensor::{DType, Device, Tensor, TensorData};
@@ -14,47 +17,181 @@ pub enum RopeLayout {
     HalfSplit,
 }
 
+/// How positions are stretched for contexts longer than a model was trained on.
+#[derive(Config, Debug, Copy, PartialEq)]
+pub enum RopeScaling {
+    /// Position interpolation (Chen et al. 2023): every frequency divided by `factor`, as if
+    /// positions were `factor` times closer (Hugging Face's `rope_type: "linear"`).
+    Linear {
+        /// Greater than 1 stretches.
+        factor: f64,
+    },
+    /// Llama 3.1's frequency-dependent scaling (Meta's `apply_scaling`, Hugging Face's
+    /// `rope_type: "llama3"`): wavelengths longer than `original_max_position /
+    /// low_freq_factor` are divided by `factor`, those shorter than `original_max_position /
+    /// high_freq_factor` kept, the ones between interpolated.
+    Llama3 {
+        /// Stretch of the low frequencies (8 in Llama 3.1).
+        factor: f64,
+        /// 1 in Llama 3.1.
+        low_freq_factor: f64,
+        /// 4 in Llama 3.1.
+        high_freq_factor: f64,
+        /// The context the model was trained on (8192 in Llama 3.1).
+        original_max_position: usize,
+    },
+}
+
 /// Rotary position embeddings for [`MultiHeadAttentionConfig::rope`](crate::MultiHeadAttentionConfig::rope).
 ///
-/// Pair `i` of a head at position `p` is rotated by the angle `p · theta^(-2i / head_dim)`,
-/// in queries and keys alike, after projection and before the scores; the score of a query at
-/// `m` and a key at `n` then depends on their positions only through `m - n`.
+/// Pair `i` of a head at position `p` is rotated by the angle `p · f_i`, `f_i =
+/// theta^(-2i / head_dim)` (scaled by [`RopeScaling`] if any), in queries and keys alike,
+/// after projection and before the scores; the score of a query at `m` and a key at `n` then
+/// depends on their positions only through `m - n`.
 #[derive(Config, Debug, PartialEq)]
 pub struct RopeConfig {
-    /// Base of the rotation frequencies. Default: 10000.
+    /// Base of the rotation frequencies. Must be finite and greater than 1. Default: 10000.
     #[config(default = 10000.0)]
     pub theta: f64,
     /// The pair layout. Default: [`RopeLayout::Interleaved`].
     #[config(default = "RopeLayout::Interleaved")]
     pub layout: RopeLayout,
-}
-
-/// `cos` and `sin` of the angles of `positions` (`[seq, head_dim / 2]` each), in `dtype`.
-fn angles(
-    theta: f64,
-    head_dim: usize,
-    start: usize,
-    seq: usize,
-    (device, dtype): (&Device, DType),
-) -> (Tensor<2>, Tensor<2>) {
-    let half = head_dim / 2;
-    let mut cos = Vec::with_capacity(seq * half);
-    let mut sin = Vec::with_capacity(seq * half);
-    for position in start..start + seq {
-        for pair in 0..half {
-            let frequency = theta.powf(-2.0 * pair as f64 / head_dim as f64);
-            let angle = position as f64 * frequency;
-            cos.push(angle.cos());
-            sin.push(angle.sin());
-        }
-    }
-    (
-        Tensor::from_data(TensorData::new(cos, [seq, half]), (device, dtype)),
-        Tensor::from_data(TensorData::new(sin, [seq, half]), (device, dtype)),
-    )
+    /// Position scaling for long contexts. Default: `None`.
+    #[config(default = "None")]
+    pub scaling: Option<RopeScaling>,
 }
 
 impl RopeConfig {
+    /// Checks the fields; the reason names the one that is wrong.
+    pub fn validate(&self) -> Result<(), String> {
+        if !self.theta.is_finite() || self.theta <= 1.0 {
+            return Err(format!(
+                "theta must be finite and greater than 1, got {}",
+                self.theta
+            ));
+        }
+        let positive = |name: &str, value: f64| match value.is_finite() && value > 0.0 {
+            true => Ok(()),
+            false => Err(format!(
+                "scaling {name} must be finite and positive, got {value}"
+            )),
+        };
+        match self.scaling {
+            None => Ok(()),
+            Some(RopeScaling::Linear { factor }) => positive("factor", factor),
+            Some(RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position,
+            }) => {
+                positive("factor", factor)?;
+                positive("low_freq_factor", low_freq_factor)?;
+                positive("high_freq_factor", high_freq_factor)?;
+                if high_freq_factor <= low_freq_factor {
+                    return Err(format!(
+                        "scaling high_freq_factor ({high_freq_factor}) must exceed \
+                         low_freq_factor ({low_freq_factor})"
+                    ));
+                }
+                positive("original_max_position", original_max_position as f64)
+            }
+        }
+    }
+
+    /// The rotation frequency of every pair of a head of `head_dim` features, scaled.
+    pub fn frequencies(&self, head_dim: usize) -> Vec<f64> {
+        let base: Vec<f64> = (0..head_dim / 2)
+            .map(|pair| self.theta.powf(-2.0 * pair as f64 / head_dim as f64))
+            .collect();
+        match self.scaling {
+            None => base,
+            Some(RopeScaling::Linear { factor }) => base.iter().map(|f| f / factor).collect(),
+            Some(RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position,
+            }) => {
+                let context = original_max_position as f64;
+                let (low_wavelength, high_wavelength) =
+                    (context / low_freq_factor, context / high_freq_factor);
+                base.iter()
+                    .map(|&frequency| {
+                        let wavelength = 2.0 * std::f64::consts::PI / frequency;
+                        if wavelength < high_wavelength {
+                            frequency
+                        } else if wavelength > low_wavelength {
+                            frequency / factor
+                        } else {
+                            let smooth = (context / wavelength - low_freq_factor)
+                                / (high_freq_factor - low_freq_factor);
+                            (1.0 - smooth) * frequency / factor + smooth * frequency
+                        }
+                    })
+                    .collect()
+            }
+        }
+    }
+}
+
+/// A [`RopeConfig`] in use: the configuration and its cos/sin table, computed once per device,
+/// float type and length (grown by doubling) instead of at every call.
+#[derive(Debug, Clone)]
+pub(crate) struct Rope {
+    pub config: RopeConfig,
+    table: Arc<Mutex<Option<Table>>>,
+}
+
+/// `cos` and `sin` of positions `0..len`, `[len, head_dim / 2]` each.
+#[derive(Debug)]
+struct Table {
+    device: Device,
+    dtype: DType,
+    head_dim: usize,
+    len: usize,
+    cos: Tensor<2>,
+    sin: Tensor<2>,
+}
+
+impl Rope {
+    pub fn new(config: RopeConfig) -> Self {
+        Self {
+            config,
+            table: Arc::new(Mutex::new(None)),
+        }
+    }
+
+    /// `cos` and `sin` for positions `start..start + seq`, `[seq, head_dim / 2]` each.
+    fn angles(
+        &self,
+        head_dim: usize,
+        start: usize,
+        seq: usize,
+        device: &Device,
+        dtype: DType,
+    ) -> (Tensor<2>, Tensor<2>) {
+        let mut table = self
+            .table
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let fits = table.as_ref().is_some_and(|table| {
+            table.device == *device
+                && table.dtype == dtype
+                && table.head_dim == head_dim
+                && table.len >= start + seq
+        });
+        if !fits {
+            let len = (start + seq).next_power_of_two().max(64);
+            *table = Some(Table::new(&self.config, head_dim, len, device, dtype));
+        }
+        let table = table.as_ref().expect("made above");
+        (
+            table.cos.clone().narrow(0, start, seq),
+            table.sin.clone().narrow(0, start, seq),
+        )
+    }
+
     /// Rotates `x` (`[batch, heads, seq, head_dim]`) whose first position is `start`.
     ///
     /// # Panics
@@ -67,10 +204,10 @@ impl RopeConfig {
             "RoPE needs an even head_dim, got {head_dim}"
         );
         let half = head_dim / 2;
-        let (cos, sin) = angles(self.theta, head_dim, start, seq, (&x.device(), x.dtype()));
+        let (cos, sin) = self.angles(head_dim, start, seq, &x.device(), x.dtype());
         let cos = cos.reshape([1, 1, seq, half]);
         let sin = sin.reshape([1, 1, seq, half]);
-        match self.layout {
+        match self.config.layout {
             RopeLayout::Interleaved => {
                 let pairs = x.reshape([batch, heads, seq, half, 2]);
                 let even = pairs
@@ -91,6 +228,48 @@ impl RopeConfig {
                 Tensor::cat(vec![rotated_first, rotated_second], 3)
             }
         }
+    }
+}
+
+impl Table {
+    fn new(
+        config: &RopeConfig,
+        head_dim: usize,
+        len: usize,
+        device: &Device,
+        dtype: DType,
+    ) -> Self {
+        let frequencies = config.frequencies(head_dim);
+        let half = head_dim / 2;
+        let mut cos = Vec::with_capacity(len * half);
+        let mut sin = Vec::with_capacity(len * half);
+        for position in 0..len {
+            for frequency in &frequencies {
+                let angle = position as f64 * frequency;
+                cos.push(angle.cos());
+                sin.push(angle.sin());
+            }
+        }
+        Self {
+            device: device.clone(),
+            dtype,
+            head_dim,
+            len,
+            cos: Tensor::from_data(TensorData::new(cos, [len, half]), (device, dtype)),
+            sin: Tensor::from_data(TensorData::new(sin, [len, half]), (device, dtype)),
+        }
+    }
+}
+
+impl RopeConfig {
+    /// Rotates `x` (`[batch, heads, seq, head_dim]`) whose first position is `start` (a
+    /// one-off table; a module keeps its table between calls).
+    ///
+    /// # Panics
+    ///
+    /// Panics if `head_dim` is odd.
+    pub fn apply(&self, x: Tensor<4>, start: usize) -> Tensor<4> {
+        Rope::new(self.clone()).apply(x, start)
     }
 }
 
@@ -129,8 +308,9 @@ mod tests {
         let device = Device::flex();
         let x = Tensor::<4>::random([2, 3, 5, 8], Distribution::Normal(0.0, 1.0), &device);
         let burns = RotaryEncodingConfig::new(32, 8).init(&device);
-        for start in [0, 1, 7, 20] {
-            let ours = RopeConfig::new().apply(x.clone(), start);
+        let rope = Rope::new(RopeConfig::new());
+        for start in [0, 1, 7, 20, 3] {
+            let ours = rope.apply(x.clone(), start);
             ours.into_data().assert_approx_eq::<f32>(
                 &burns.apply(x.clone(), start).into_data(),
                 Tolerance::absolute(1e-5),
@@ -165,6 +345,91 @@ mod tests {
             rotated
                 .into_data()
                 .assert_approx_eq::<f32>(&x(&device).into_data(), Tolerance::absolute(1e-6));
+        }
+    }
+
+    /// The table grows when a later call needs more positions, and a grown table gives what a
+    /// fresh one gives.
+    #[test]
+    fn the_table_grows_and_gives_the_same_angles() {
+        let device = Device::flex();
+        let rope = Rope::new(RopeConfig::new());
+        let x = Tensor::<4>::ones([1, 1, 3, 8], &device);
+        let early = rope.apply(x.clone(), 60);
+        let late = rope.apply(x.clone(), 200);
+        early.into_data().assert_approx_eq::<f32>(
+            &RopeConfig::new().apply(x.clone(), 60).into_data(),
+            Tolerance::absolute(1e-6),
+        );
+        late.into_data().assert_approx_eq::<f32>(
+            &RopeConfig::new().apply(x, 200).into_data(),
+            Tolerance::absolute(1e-6),
+        );
+        assert_eq!(rope.table.lock().unwrap().as_ref().unwrap().len, 256);
+    }
+
+    /// Linear and Llama 3 scaling give the frequencies Hugging Face's `rope_type` "linear" and
+    /// "llama3" give (`tests/fixtures/rope_scaling.json`, written by
+    /// `generate_pytorch_fixtures.py --only rope`).
+    #[test]
+    fn scaled_frequencies_match_hugging_faces() {
+        let fixture: serde_json::Value =
+            serde_json::from_str(include_str!("../tests/fixtures/rope_scaling.json")).unwrap();
+        let cases = fixture["cases"].as_array().unwrap();
+        assert_eq!(cases.len(), 9);
+        for case in cases {
+            let scaling = match &case["scaling"] {
+                serde_json::Value::Null => None,
+                scaling if scaling.get("linear").is_some() => Some(RopeScaling::Linear {
+                    factor: scaling["linear"].as_f64().unwrap(),
+                }),
+                scaling => {
+                    let values = scaling["llama3"].as_array().unwrap();
+                    Some(RopeScaling::Llama3 {
+                        factor: values[0].as_f64().unwrap(),
+                        low_freq_factor: values[1].as_f64().unwrap(),
+                        high_freq_factor: values[2].as_f64().unwrap(),
+                        original_max_position: values[3].as_u64().unwrap() as usize,
+                    })
+                }
+            };
+            let config = RopeConfig::new()
+                .with_theta(case["theta"].as_f64().unwrap())
+                .with_scaling(scaling);
+            let ours = config.frequencies(case["head_dim"].as_u64().unwrap() as usize);
+            let expected: Vec<f64> = case["frequencies"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|f| f.as_f64().unwrap())
+                .collect();
+            assert_eq!(ours.len(), expected.len());
+            for (a, b) in ours.iter().zip(&expected) {
+                assert!((a - b).abs() <= 1e-12 * b.abs(), "{scaling:?}: {a} vs {b}");
+            }
+        }
+    }
+
+    /// The rotation uses the scaled frequencies: under linear scaling by 4, position `4p`
+    /// rotates as position `p` does unscaled (both layouts).
+    #[test]
+    fn linear_scaling_rotates_position_4p_as_p() {
+        let device = Device::flex();
+        for layout in [RopeLayout::Interleaved, RopeLayout::HalfSplit] {
+            let plain = RopeConfig::new().with_layout(layout);
+            let scaled = plain
+                .clone()
+                .with_scaling(Some(RopeScaling::Linear { factor: 4.0 }));
+            for position in [1, 7, 300] {
+                let x = x(&device).narrow(2, 0, 1);
+                scaled
+                    .apply(x.clone(), 4 * position)
+                    .into_data()
+                    .assert_approx_eq::<f32>(
+                        &plain.apply(x, position).into_data(),
+                        Tolerance::absolute(1e-4),
+                    );
+            }
         }
     }
 }

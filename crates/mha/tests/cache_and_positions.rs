@@ -5,8 +5,9 @@ mod common;
 use burn::tensor::{Bool, Device, Tensor, TensorData};
 use common::{assert_close, randn, test_devices, tolerance};
 use mha::{
-    AttentionPath, BlockSizes, CacheError, CacheLimit, KvCache, MhaInput, MultiHeadAttention,
-    MultiHeadAttentionConfig, NeedWeights, RopeConfig, RopeLayout, flash_attention_supported,
+    AttentionPath, BlockSizes, CacheError, CacheLimit, CacheStorage, KvCache, MhaInput,
+    MultiHeadAttention, MultiHeadAttentionConfig, NeedWeights, RopeConfig, RopeLayout,
+    flash_attention_supported,
 };
 
 fn configs() -> Vec<(&'static str, MultiHeadAttentionConfig)> {
@@ -25,6 +26,14 @@ fn configs() -> Vec<(&'static str, MultiHeadAttentionConfig)> {
         (
             "mqa+alibi",
             base.clone().with_n_kv_heads(Some(1)).with_alibi(true),
+        ),
+        (
+            "gqa+window+softcap+sinks",
+            base.clone()
+                .with_n_kv_heads(Some(2))
+                .with_window(Some(3))
+                .with_softcap(Some(2.0))
+                .with_attention_sinks(true),
         ),
         (
             "bias_kv+zero_attn",
@@ -577,23 +586,24 @@ fn flash_path_equals_explicit_path_on_threads() {
     }
 }
 
-/// Where the flash kernel does not run, forcing it says so; `Auto` trains on another path.
+/// Where a forced kernel cannot run, forcing it says so; `Auto` trains on another path.
 #[test]
-fn flash_path_is_refused_clearly_where_it_cannot_run() {
-    let device = Device::flex().autodiff();
-    let module = MultiHeadAttentionConfig::new(8, 2)
-        .with_quiet_softmax(true)
-        .init(&device);
-    let x = randn([1, 3, 8], &device);
-    let message = common::panic_message(|| {
-        module.forward(
-            MhaInput::self_attn(x.clone()).path(AttentionPath::Flash(BlockSizes::default())),
-        )
-    });
-    assert!(
-        message.contains("`AttentionPath::Flash` was forced but the softmax is quiet"),
-        "{message}"
-    );
+fn forced_paths_are_refused_clearly_where_they_cannot_run() {
+    let device = Device::flex();
+    for config in [
+        MultiHeadAttentionConfig::new(8, 2).with_quiet_softmax(true),
+        MultiHeadAttentionConfig::new(8, 2).with_attention_sinks(true),
+    ] {
+        let module = config.init(&device);
+        let x = randn([1, 3, 8], &device);
+        let message = common::panic_message(|| {
+            module.forward(MhaInput::self_attn(x.clone()).path(AttentionPath::Fused))
+        });
+        assert!(
+            message.contains("`AttentionPath::Fused` was forced but the softmax has a sink"),
+            "{message}"
+        );
+    }
     for (name, device) in test_devices() {
         if flash_attention_supported(&device) {
             continue;
@@ -699,4 +709,178 @@ fn a_cache_filled_by_one_module_is_refused_by_another() {
         .forward_cached(MhaInput::self_attn(randn([1, 1, 16], &device)), &mut cache)
         .unwrap();
     assert_eq!(cache.len(), 3);
+}
+
+/// `true` where key `k` is hidden from query `q` by a causal window of `window` positions that
+/// keeps the first `sinks` positions visible (StreamingLLM).
+fn streaming_mask(seq: usize, sinks: usize, window: usize, device: &Device) -> Tensor<2, Bool> {
+    let values: Vec<bool> = (0..seq)
+        .flat_map(|q| (0..seq).map(move |k| k > q || (k >= sinks && k + window <= q)))
+        .collect();
+    Tensor::from_data(TensorData::new(values, [seq, seq]), device)
+}
+
+/// A streaming cache keeps its sink positions for good and a window behind each query, at the
+/// positions they were first seen (RoPE, ALiBi): decoding in any steps equals one forward with
+/// the matching mask, and the cache never holds more than `sinks + window - 1` positions.
+#[test]
+fn streaming_window_cache_keeps_its_sinks_and_equals_the_masked_forward() {
+    for (name, device) in test_devices() {
+        let _seed = common::seed(&device, 19);
+        let (sinks, window, seq) = (2, 3, 12);
+        for (label, config) in [
+            (
+                "gqa+rope",
+                MultiHeadAttentionConfig::new(16, 4)
+                    .with_n_kv_heads(Some(2))
+                    .with_rope(Some(RopeConfig::new())),
+            ),
+            (
+                "alibi",
+                MultiHeadAttentionConfig::new(16, 4).with_alibi(true),
+            ),
+        ] {
+            let module = config.init(&device);
+            let x = randn([2, seq, 16], &device);
+            let full = module
+                .forward(
+                    MhaInput::self_attn(x.clone())
+                        .attn_mask(streaming_mask(seq, sinks, window, &device)),
+                )
+                .context;
+            for chunks in [vec![1; seq], vec![3, 1, 4, 2, 2], vec![1, 5, 6]] {
+                let mut cache = KvCache::with_limit(CacheLimit::StreamingWindow { sinks, window });
+                let decoded = decode(&module, &x, &chunks, &mut cache);
+                assert!(
+                    cache.stored() < sinks + window,
+                    "{name} {label}: {} stored",
+                    cache.stored()
+                );
+                assert_eq!(cache.len(), seq);
+                assert_close(
+                    &format!("{name} {label}: streaming {chunks:?}"),
+                    decoded,
+                    full.clone(),
+                    tolerance(name),
+                );
+            }
+        }
+    }
+}
+
+/// The config's `window` holds in plain forwards and under any cache, with padding: the same
+/// answers as the banded mask on a module without it.
+#[test]
+fn config_window_equals_the_banded_mask_plain_and_cached() {
+    for (name, device) in test_devices() {
+        let _seed = common::seed(&device, 21);
+        let windowed = MultiHeadAttentionConfig::new(16, 4)
+            .with_n_kv_heads(Some(2))
+            .with_rope(Some(RopeConfig::new()))
+            .with_window(Some(3))
+            .init(&device);
+        let plain = common::with_projections_of(
+            MultiHeadAttentionConfig::new(16, 4)
+                .with_n_kv_heads(Some(2))
+                .with_rope(Some(RopeConfig::new()))
+                .init(&device),
+            &windowed,
+        );
+        let x = randn([2, 9, 16], &device);
+        let padding = Tensor::<2, Bool>::from_data(
+            TensorData::new(
+                (0..18).map(|i| i == 4 || i == 17).collect::<Vec<_>>(),
+                [2, 9],
+            ),
+            &device,
+        );
+        let expected = plain
+            .forward(
+                MhaInput::self_attn(x.clone())
+                    .key_padding_mask(padding.clone())
+                    .attn_mask(band_mask(9, 3, &device)),
+            )
+            .context;
+        for path in common::paths(&device) {
+            let actual = windowed
+                .forward(
+                    MhaInput::self_attn(x.clone())
+                        .key_padding_mask(padding.clone())
+                        .causal()
+                        .path(path),
+                )
+                .context;
+            assert_close(
+                &format!("{name} {path:?}: window 3"),
+                actual,
+                expected.clone(),
+                tolerance(name),
+            );
+        }
+        let mut cache = KvCache::new();
+        let mut outputs = Vec::new();
+        for (start, length) in [(0, 4), (4, 1), (5, 4)] {
+            let step = MhaInput::self_attn(x.clone().narrow(1, start, length))
+                .key_padding_mask(padding.clone().narrow(1, start, length))
+                .causal();
+            outputs.push(windowed.forward_cached(step, &mut cache).unwrap().context);
+        }
+        assert_close(
+            &format!("{name}: window 3 under an unbounded cache"),
+            Tensor::cat(outputs, 1),
+            expected,
+            tolerance(name),
+        );
+    }
+}
+
+/// An int8 cache holds 3.7 times the positions of an f32 one in the same bytes at a head width
+/// of 64, and decoding through it stays within 2% of the float cache's output scale (int8
+/// rounds each element by at most `max |x| / 254` of its position's head).
+#[test]
+fn int8_cache_is_smaller_and_close_to_the_float_cache() {
+    for (name, device) in test_devices() {
+        let _seed = common::seed(&device, 23);
+        let module = MultiHeadAttentionConfig::new(256, 4)
+            .with_n_kv_heads(Some(2))
+            .with_rope(Some(RopeConfig::new()))
+            .init(&device);
+        let x = randn([2, 24, 256], &device);
+        let chunks = [8, 1, 1, 6, 1, 7];
+        let mut float = KvCache::new();
+        let expected = decode(&module, &x, &chunks, &mut float);
+        let mut int8 = KvCache::new().with_storage(CacheStorage::Int8);
+        let first = module.forward_cached(
+            MhaInput::self_attn(x.clone().narrow(1, 0, 8)).causal(),
+            &mut int8,
+        );
+        if let Err(CacheError::Storage { reason }) = &first {
+            eprintln!("{name}: no int8 cache here ({reason})");
+            continue;
+        }
+        int8.reset();
+        let actual = decode(&module, &x, &chunks, &mut int8);
+        let ratio = float.bytes() as f64 / int8.bytes() as f64;
+        assert!(ratio >= 3.7, "{name}: int8 cache {ratio:.2}x smaller");
+        let scale = expected.clone().abs().max().into_scalar::<f32>();
+        let error = common::max_abs_diff(actual, expected);
+        assert!(
+            error <= 0.02 * scale && error > 0.0,
+            "{name}: int8 decoding differs by {error} at output scale {scale}"
+        );
+    }
+}
+
+/// A cached forward refuses packed segments with a message naming the argument.
+#[test]
+fn segment_ids_under_a_cache_are_refused_clearly() {
+    let device = Device::flex();
+    let module = MultiHeadAttentionConfig::new(8, 2).init(&device);
+    let x = randn([1, 3, 8], &device);
+    let ids = Tensor::<2, burn::tensor::Int>::zeros([1, 3], &device);
+    let message = common::panic_message(|| {
+        let mut cache = KvCache::new();
+        module.forward_cached(MhaInput::self_attn(x).segment_ids(ids).causal(), &mut cache)
+    });
+    assert!(message.contains("`segment_ids`"), "{message}");
 }

@@ -214,7 +214,7 @@ fn every_bad_input_is_refused_with_a_clear_message() {
                 quiet_module
                     .forward(MhaInput::self_attn(zeros([1, 2, 8])).path(AttentionPath::Fused));
             }),
-            "`AttentionPath::Fused` was forced but the softmax is quiet",
+            "`AttentionPath::Fused` was forced but the softmax has a sink (attention sinks or the quiet softmax)",
         ),
         (
             "chunked path with empty blocks",

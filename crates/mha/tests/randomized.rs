@@ -9,7 +9,7 @@
 mod common;
 
 use burn::module::Param;
-use burn::tensor::{Bool, Device, FloatDType, Tensor, TensorData};
+use burn::tensor::{Bool, Device, FloatDType, Gradients, Int, Tensor, TensorData};
 use common::test_devices;
 use mha::{
     AttentionPath, BlockSizes, MhaInput, MultiHeadAttention, MultiHeadAttentionConfig, NeedWeights,
@@ -78,6 +78,12 @@ struct Case {
     rope: Option<RopeLayout>,
     alibi: bool,
     add_bias_kv: bool,
+    window: Option<usize>,
+    softcap: Option<f64>,
+    sinks: bool,
+    quiet_softmax: bool,
+    /// Packed segments; `sorted`: ids never decrease along a row (else any ids).
+    segments: Option<bool>,
     input_scale: f32,
     blocks: BlockSizes,
 }
@@ -125,6 +131,11 @@ impl Case {
             rope,
             alibi: rng.chance(0.25),
             add_bias_kv: rng.chance(0.2),
+            window: rng.chance(0.25).then(|| 1 + rng.below(seq_k.max(seq_q))),
+            softcap: rng.chance(0.2).then(|| rng.pick(&[0.5, 5.0, 30.0])),
+            sinks: rng.chance(0.2),
+            quiet_softmax: rng.chance(0.1),
+            segments: rng.chance(0.2).then(|| rng.chance(0.7)),
             input_scale: rng.pick(&[0.1, 1.0, 1.0, 3.0, 30.0]),
             blocks: BlockSizes {
                 query: 1 + rng.below(40),
@@ -142,6 +153,10 @@ impl Case {
             )
             .with_alibi(self.alibi)
             .with_add_bias_kv(self.add_bias_kv)
+            .with_window(self.window)
+            .with_softcap(self.softcap)
+            .with_attention_sinks(self.sinks)
+            .with_quiet_softmax(self.quiet_softmax && !self.sinks)
     }
 }
 
@@ -152,13 +167,19 @@ struct Instance {
     memory: Tensor<3>,
     padding: Option<Tensor<2, Bool>>,
     float_mask: Option<Tensor<3>>,
+    /// Query and key segment ids.
+    segments: Option<(Tensor<2, Int>, Tensor<2, Int>)>,
 }
 
 impl Instance {
     fn new(case: &Case, device: &Device) -> Self {
         let mut rng = Rng(case.seed ^ 0xA5A5);
         let _seed = common::seed(device, case.seed);
-        let module = case.config().init(device);
+        let mut module = case.config().init(device);
+        if module.sinks.is_some() {
+            // Trained sinks, not the initial zeros: some above the scores, some below.
+            module.sinks = Some(Param::from_tensor(rng.tensor([case.n_heads], 2.0, device)));
+        }
         let d_model = case.n_heads * case.head_dim;
         let query = rng.tensor([case.batch, case.seq_q, d_model], case.input_scale, device);
         let memory = if case.self_attention {
@@ -194,12 +215,36 @@ impl Instance {
                 device,
             )
         });
+        let segments = case.segments.map(|sorted| {
+            let mut ids = |length: usize| -> Tensor<2, Int> {
+                let mut values = Vec::with_capacity(case.batch * length);
+                for _ in 0..case.batch {
+                    let mut id = 0i64;
+                    for _ in 0..length {
+                        match sorted {
+                            true if rng.chance(0.2) => id += 1,
+                            true => {}
+                            false => id = rng.below(3) as i64,
+                        }
+                        values.push(id);
+                    }
+                }
+                Tensor::from_data(TensorData::new(values, [case.batch, length]), device)
+            };
+            let query_ids = ids(case.seq_q);
+            let key_ids = match case.self_attention {
+                true => query_ids.clone(),
+                false => ids(case.seq_k),
+            };
+            (query_ids, key_ids)
+        });
         Self {
             module,
             query,
             memory,
             padding,
             float_mask,
+            segments,
         }
     }
 
@@ -218,7 +263,7 @@ impl Instance {
                 .take()
                 .map(|bias| Param::from_tensor(bias.val().cast(dtype).detach()));
         }
-        for bias in [&mut module.bias_k, &mut module.bias_v] {
+        for bias in [&mut module.bias_k, &mut module.bias_v, &mut module.sinks] {
             *bias = bias
                 .take()
                 .map(|bias| Param::from_tensor(bias.val().cast(dtype).detach()));
@@ -251,6 +296,12 @@ impl Instance {
         if case.causal {
             input = input.causal();
         }
+        if let Some((query_ids, key_ids)) = &self.segments {
+            input = match case.self_attention {
+                true => input.segment_ids(query_ids.clone()),
+                false => input.segment_ids_cross(query_ids.clone(), key_ids.clone()),
+            };
+        }
         let context = module.forward(input.path(path)).context;
         let weights = Rng(case.seed ^ 0x5A5A).tensor(context.dims(), 1.0, &context.device());
         let grads = (context.clone() * weights.cast(dtype)).sum().backward();
@@ -258,10 +309,10 @@ impl Instance {
         let vector = |tensor: Tensor<3>| tensor.into_data().try_into_vec_as::<f32>().unwrap();
         let mut named = vec![
             ("context".to_string(), vector(context.inner())),
-            ("d query".to_string(), vector(query.grad(&grads).unwrap())),
+            ("d query".to_string(), vector(gradient(&query, &grads))),
         ];
         if let Some(memory) = &memory {
-            named.push(("d memory".to_string(), vector(memory.grad(&grads).unwrap())));
+            named.push(("d memory".to_string(), vector(gradient(memory, &grads))));
         }
         for (name, linear) in [
             ("q", &module.query),
@@ -271,17 +322,21 @@ impl Instance {
         ] {
             named.push((
                 format!("d W_{name}"),
-                flat(linear.weight.grad(&grads).unwrap()),
+                flat(gradient(&linear.weight.val(), &grads)),
             ));
-            let bias = linear.bias.as_ref().unwrap().grad(&grads).unwrap();
+            let bias = gradient(&linear.bias.as_ref().unwrap().val(), &grads);
             named.push((
                 format!("d b_{name}"),
                 bias.into_data().try_into_vec_as().unwrap(),
             ));
         }
-        for (name, parameter) in [("bias_k", &module.bias_k), ("bias_v", &module.bias_v)] {
+        for (name, parameter) in [
+            ("bias_k", &module.bias_k),
+            ("bias_v", &module.bias_v),
+            ("sinks", &module.sinks),
+        ] {
             if let Some(parameter) = parameter {
-                let grad = parameter.grad(&grads).unwrap();
+                let grad = gradient(&parameter.val(), &grads);
                 named.push((
                     format!("d {name}"),
                     grad.into_data().try_into_vec_as().unwrap(),
@@ -290,6 +345,14 @@ impl Instance {
         }
         named
     }
+}
+
+/// The gradient of `tensor`; zeros when nothing it feeds reaches the loss (every query's keys
+/// masked: the output is the output projection's bias alone).
+fn gradient<const D: usize>(tensor: &Tensor<D>, grads: &Gradients) -> Tensor<D> {
+    tensor
+        .grad(grads)
+        .unwrap_or_else(|| tensor.clone().inner().zeros_like())
 }
 
 /// How many cases a test draws: `MHA_RANDOM_CASES`, or `default`; or the one seed
@@ -388,7 +451,8 @@ fn natural_scales(exact: &[(String, Vec<f32>)], input_scale: f32) -> Vec<f32> {
 /// Flash, chunked and explicit paths agree in the output and every gradient, on random
 /// configurations: head widths 1 to 34 (odd ones too), GQA and MQA, sequences of 1 to 300,
 /// batches of 1 to 3, causal, padding with fully padded rows, float masks with `-inf`, RoPE,
-/// ALiBi, `add_bias_kv`, inputs scaled up to 30. Each f32 path is held to the exact answer
+/// ALiBi, `add_bias_kv`, sliding windows, soft-capping, attention sinks, the quiet softmax,
+/// packed segments (sorted and not), inputs scaled up to 30. Each f32 path is held to the exact answer
 /// (the explicit path in f64) by FlashAttention's rule, no more than a few times the error of
 /// the explicit path in f32 (see [`compare`]).
 #[test]

@@ -17,6 +17,7 @@
 //! two tasks never take the same head of a shared output buffer ([`SharedBuffer::matrix`]).
 
 use std::marker::PhantomData;
+use std::ops::Range;
 
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Backend, DType, TensorData, TensorMetadata};
@@ -135,7 +136,7 @@ impl CpuStorage for burn::backend::NdArray {
 pub(super) fn forward<B: CpuStorage>(inputs: &FlashInputs<B>) -> Option<FlashForward<B>> {
     let geometry = inputs.geometry();
     let readable = Readable::of(inputs)?;
-    let kernel = Kernel::new(&readable, geometry, inputs.params)?;
+    let kernel = Kernel::new(&readable, geometry, &inputs.params)?;
     let Geometry {
         batch,
         n_heads,
@@ -182,7 +183,7 @@ pub(super) fn backward<B: CpuStorage>(
     let geometry = inputs.geometry();
     state.check_output_grad(output_grad);
     let readable = Readable::of(inputs)?;
-    let kernel = Kernel::new(&readable, geometry, inputs.params)?;
+    let kernel = Kernel::new(&readable, geometry, &inputs.params)?;
     let saved = [
         B::readable(output_grad)?,
         B::readable(&state.softmax_stats)?,
@@ -218,22 +219,35 @@ pub(super) fn backward<B: CpuStorage>(
         key: SharedBuffer::new(&mut key_grad),
         value: SharedBuffer::new(&mut value_grad),
     };
+    // Per (batch, head): the sink logit's gradient; each task owns its group's heads.
+    let mut sink_grads = vec![0.0f32; batch * n_heads];
     for_each_task(
-        (0..batch * n_kv_heads).collect(),
+        sink_grads
+            .chunks_mut(geometry.groups())
+            .enumerate()
+            .collect(),
         kernel.parallel(),
         BackwardScratch::default,
-        |scratch, index| {
+        |scratch, (index, group_sink_grads)| {
             let (b, kv_head) = (index / n_kv_heads, index % n_kv_heads);
             // SAFETY: task `index` alone takes key/value head (b, kv_head) of the key and value
             // gradients, and the query heads of its group of the query gradient.
-            let mut grads = unsafe { buffers.of_kv_head(&shapes, &geometry, b, kv_head) };
+            let mut grads =
+                unsafe { buffers.of_kv_head(&shapes, &geometry, (b, kv_head), group_sink_grads) };
             kernel.backward_kv_head(scratch, &rows, (b, kv_head), &mut grads);
         },
     );
+    let sinks = inputs.sinks.as_ref().map(|_| {
+        let per_head: Vec<f32> = (0..n_heads)
+            .map(|h| (0..batch).map(|b| sink_grads[b * n_heads + h]).sum())
+            .collect();
+        B::float_from_data(TensorData::new(per_head, [n_heads]), &inputs.query.device())
+    });
     Some(FlashGrads {
         query: B::sequence_major(query_grad, shapes.query),
         key: B::sequence_major(key_grad, shapes.key),
         value: B::sequence_major(value_grad, shapes.value),
+        sinks,
     })
 }
 
@@ -243,6 +257,8 @@ struct Readable<B: CpuStorage> {
     heads: [FloatTensor<B>; 3],
     bias: Option<FloatTensor<B>>,
     forbid: Option<FloatTensor<B>>,
+    /// `[1, 1, 1, n_heads]`
+    sinks: Option<FloatTensor<B>>,
 }
 
 impl<B: CpuStorage> Readable<B> {
@@ -259,6 +275,15 @@ impl<B: CpuStorage> Readable<B> {
             ))?),
             None => None,
         };
+        let sinks = match &inputs.sinks {
+            Some(sinks) => {
+                let heads = sinks.shape()[0];
+                let row =
+                    B::float_reshape(sinks.clone(), burn::backend::Shape::new([1, 1, 1, heads]));
+                Some(B::readable(&row)?)
+            }
+            None => None,
+        };
         Some(Self {
             heads: [
                 B::readable(&inputs.query)?,
@@ -267,6 +292,7 @@ impl<B: CpuStorage> Readable<B> {
             ],
             bias,
             forbid,
+            sinks,
         })
     }
 }
@@ -354,13 +380,36 @@ impl<'a> BroadcastView<'a> {
         Self { values, strides }
     }
 
-    /// The first `keys` entries of query `query`'s row in head `(batch, head)`.
-    fn row(&self, batch: usize, head: usize, query: usize, keys: usize) -> BroadcastRow<'a> {
+    /// For a mask shared by every head and query (key padding), the keys of batch element
+    /// `batch` between its first and last allowed one (`0..0` when it allows none): every key
+    /// outside is hidden from every query, so a kernel may skip it. `None` for other masks.
+    fn allowed_key_span(&self, batch: usize, seq_k: usize) -> Option<Range<usize>> {
+        let [batch_stride, head_stride, query_stride, key_stride] = self.strides;
+        if head_stride != 0 || query_stride != 0 || key_stride == 0 {
+            return None;
+        }
+        let row = &self.values[batch * batch_stride..];
+        let allowed = |key: &usize| row[key * key_stride] == 0.0;
+        let Some(first) = (0..seq_k).find(allowed) else {
+            return Some(0..0);
+        };
+        let last = (0..seq_k).rev().find(allowed).unwrap_or(first);
+        Some(first..last + 1)
+    }
+
+    /// Keys `keys` of query `query`'s row in head `(batch, head)`.
+    fn row(
+        &self,
+        batch: usize,
+        head: usize,
+        query: usize,
+        keys: &Range<usize>,
+    ) -> BroadcastRow<'a> {
         let [batch_stride, head_stride, query_stride, key_stride] = self.strides;
         let start = batch * batch_stride + head * head_stride + query * query_stride;
         match key_stride {
             0 => BroadcastRow::Scalar(self.values[start]),
-            _ => BroadcastRow::Keys(&self.values[start..start + keys]),
+            _ => BroadcastRow::Keys(&self.values[start + keys.start..start + keys.end]),
         }
     }
 }
@@ -638,12 +687,16 @@ fn for_each_task<T: Send, S>(
 /// One call's inputs as views, and what it computes with them.
 struct Kernel<'a> {
     geometry: Geometry,
-    params: FlashParams,
+    params: &'a FlashParams,
     query: HeadsView<'a>,
     key: HeadsView<'a>,
     value: HeadsView<'a>,
     bias: Option<BroadcastView<'a>>,
     forbid: Option<BroadcastView<'a>>,
+    /// One logit per query head.
+    sinks: Option<&'a [f32]>,
+    /// Per batch element, the keys between its first and last unpadded one (key padding).
+    padding_spans: Option<Vec<Range<usize>>>,
 }
 
 #[derive(Default)]
@@ -656,6 +709,8 @@ struct ForwardScratch {
 struct BackwardScratch {
     probabilities: Vec<f32>,
     score_grads: Vec<f32>,
+    /// `1 - tanh²` of the capped scores, under a soft cap.
+    cap_derivatives: Vec<f32>,
 }
 
 /// What the backward reads of the forward and of the output gradient.
@@ -677,11 +732,13 @@ struct GradBuffers<'a> {
     value: SharedBuffer<'a>,
 }
 
-/// One backward task's gradients: the query heads of a group, and their key/value head's.
-struct KvHeadGrads<'a> {
+/// One backward task's gradients: the query heads of a group, their key/value head's, and the
+/// group's sink logits'.
+struct KvHeadGrads<'a, 's> {
     query: Vec<MatrixMut<'a>>,
     key: MatrixMut<'a>,
     value: MatrixMut<'a>,
+    sinks: &'s mut [f32],
 }
 
 impl GradBuffers<'_> {
@@ -689,13 +746,13 @@ impl GradBuffers<'_> {
     ///
     /// No other live matrix of these buffers is of key/value head `(batch, kv_head)` or of one
     /// of its query heads.
-    unsafe fn of_kv_head(
+    unsafe fn of_kv_head<'s>(
         &self,
         shapes: &GradShapes,
         geometry: &Geometry,
-        batch: usize,
-        kv_head: usize,
-    ) -> KvHeadGrads<'_> {
+        (batch, kv_head): (usize, usize),
+        sinks: &'s mut [f32],
+    ) -> KvHeadGrads<'_, 's> {
         let groups = geometry.groups();
         // SAFETY: the caller's contract, head by head.
         unsafe {
@@ -705,6 +762,7 @@ impl GradBuffers<'_> {
                     .collect(),
                 key: self.key.head(shapes.key, batch, kv_head),
                 value: self.value.head(shapes.value, batch, kv_head),
+                sinks,
             }
         }
     }
@@ -715,7 +773,7 @@ impl<'a> Kernel<'a> {
     fn new<B: CpuStorage>(
         readable: &'a Readable<B>,
         geometry: Geometry,
-        params: FlashParams,
+        params: &'a FlashParams,
     ) -> Option<Self> {
         let [query, key, value] = &readable.heads;
         let full = [
@@ -724,6 +782,19 @@ impl<'a> Kernel<'a> {
             geometry.seq_q,
             geometry.seq_k,
         ];
+        let sinks = match &readable.sinks {
+            Some(sinks) => Some(HeadsView::of::<B>(sinks)?.row(0, 0, 0)),
+            None => None,
+        };
+        let forbid = readable
+            .forbid
+            .as_ref()
+            .map(|forbid| BroadcastView::of::<B>(forbid, full));
+        let padding_spans = forbid.as_ref().and_then(|forbid| {
+            (0..geometry.batch)
+                .map(|b| forbid.allowed_key_span(b, geometry.seq_k))
+                .collect::<Option<Vec<_>>>()
+        });
         Some(Self {
             geometry,
             params,
@@ -734,10 +805,9 @@ impl<'a> Kernel<'a> {
                 .bias
                 .as_ref()
                 .map(|bias| BroadcastView::of::<B>(bias, full)),
-            forbid: readable
-                .forbid
-                .as_ref()
-                .map(|forbid| BroadcastView::of::<B>(forbid, full)),
+            forbid,
+            sinks,
+            padding_spans,
         })
     }
 
@@ -748,14 +818,6 @@ impl<'a> Kernel<'a> {
         g.batch * g.n_heads > 1 && work >= 1 << 22
     }
 
-    /// Query `query` sees keys `0..key_end(query)`.
-    fn key_end(&self, query: usize) -> usize {
-        match self.params.causal {
-            true => self.geometry.causal_key_end(query),
-            false => self.geometry.seq_k,
-        }
-    }
-
     /// Query blocks `(start, length)`.
     fn query_blocks(&self) -> impl Iterator<Item = (usize, usize)> + use<> {
         let (seq_q, block) = (self.geometry.seq_q, self.params.blocks.query);
@@ -764,21 +826,43 @@ impl<'a> Kernel<'a> {
             .map(move |start| (start, block.min(seq_q - start)))
     }
 
-    /// `scores` ← the `[q_len, keys]` score block of queries `q_start..q_start + q_len` of head
-    /// `(b, h)` over keys `0..keys`: `scale · Q Kᵀ + bias`, forbidden and causal-future keys at
-    /// `-inf`.
+    /// Every key a query of block `(q_start, q_len)` of batch element `b` may see lies in the
+    /// returned range.
+    fn key_range(&self, b: usize, (q_start, q_len): (usize, usize)) -> Range<usize> {
+        let range = self
+            .params
+            .rules
+            .key_range(b, q_start..q_start + q_len, self.geometry.seq_k);
+        match &self.padding_spans {
+            Some(spans) => {
+                let span = &spans[b];
+                let (start, end) = (range.start.max(span.start), range.end.min(span.end));
+                if start < end { start..end } else { 0..0 }
+            }
+            None => range,
+        }
+    }
+
+    /// `scores` ← the `[q_len, keys.len()]` score block of queries `q_start..q_start + q_len`
+    /// of head `(b, h)` over keys `keys`: `cap(scale · Q Kᵀ) + bias`, hidden keys at `-inf`.
+    /// Under a soft cap, `cap_derivatives` (if given) ← `1 - tanh²` of the same block.
     fn score_block(
         &self,
         scores: &mut Vec<f32>,
+        cap_derivatives: Option<&mut Vec<f32>>,
         (b, h): (usize, usize),
         (q_start, q_len): (usize, usize),
-        keys: usize,
+        keys: &Range<usize>,
     ) {
+        let width = keys.len();
         scores.clear();
-        scores.resize(q_len * keys, 0.0);
+        scores.resize(q_len * width, 0.0);
         let query = self.query.head(b, h).rows(q_start, q_len);
-        let key = self.key.head(b, self.geometry.kv_head(h)).rows(0, keys);
-        let mut block = MatrixMut::from_slice(scores, q_len, keys, keys);
+        let key = self
+            .key
+            .head(b, self.geometry.kv_head(h))
+            .rows(keys.start, width);
+        let mut block = MatrixMut::from_slice(scores, q_len, width, width);
         gemm(
             &mut block,
             false,
@@ -786,19 +870,39 @@ impl<'a> Kernel<'a> {
             key.transposed(),
             self.params.scale as f32,
         );
-        for (row, row_scores) in scores.chunks_exact_mut(keys).enumerate() {
-            self.mask_row(row_scores, (b, h), q_start + row);
+        if let Some(cap) = self.params.softcap {
+            let cap = cap as f32;
+            let mut derivatives = cap_derivatives;
+            if let Some(derivatives) = derivatives.as_deref_mut() {
+                derivatives.clear();
+            }
+            soft_cap(scores, cap, derivatives);
+        }
+        for (row, row_scores) in scores.chunks_exact_mut(width).enumerate() {
+            self.mask_row(row_scores, (b, h), q_start + row, keys);
         }
     }
 
-    /// Adds the bias to one query's scores, then hides its forbidden and causal-future keys.
-    /// Hiding replaces the score, so that a forbidden key drops out whatever its score.
-    fn mask_row(&self, scores: &mut [f32], (b, h): (usize, usize), query: usize) {
-        let keys = scores.len();
+    /// Adds the biases (the caller's, ALiBi) to one query's scores over keys `keys`, then hides
+    /// the keys its masks and the rules forbid. Hiding replaces the score, so that a forbidden
+    /// key drops out whatever its score.
+    fn mask_row(
+        &self,
+        scores: &mut [f32],
+        (b, h): (usize, usize),
+        query: usize,
+        keys: &Range<usize>,
+    ) {
+        let rules = &self.params.rules;
         if let Some(bias) = &self.bias {
             match bias.row(b, h, query, keys) {
                 BroadcastRow::Scalar(value) => scores.iter_mut().for_each(|s| *s += value),
                 BroadcastRow::Keys(row) => scores.iter_mut().zip(row).for_each(|(s, v)| *s += v),
+            }
+        }
+        if rules.alibi.is_some() {
+            for (score, key) in scores.iter_mut().zip(keys.clone()) {
+                *score += rules.bias(h, query, key);
             }
         }
         if let Some(forbid) = &self.forbid {
@@ -814,7 +918,33 @@ impl<'a> Kernel<'a> {
                 }
             }
         }
-        scores[self.key_end(query).min(keys)..].fill(f32::NEG_INFINITY);
+        if !rules.hides_keys() {
+            return;
+        }
+        let positional = keys
+            .end
+            .min(rules.positional_keys)
+            .saturating_sub(keys.start);
+        match rules.contiguous_range(b, query) {
+            Some(visible) => {
+                // Hide the positional keys of the block outside `visible`.
+                let local =
+                    |key: usize| key.clamp(keys.start, keys.start + positional) - keys.start;
+                let (lo, hi) = (
+                    local(visible.start),
+                    local(visible.end).max(local(visible.start)),
+                );
+                scores[..lo].fill(f32::NEG_INFINITY);
+                scores[hi..positional].fill(f32::NEG_INFINITY);
+            }
+            None => {
+                for (score, key) in scores[..positional].iter_mut().zip(keys.clone()) {
+                    if !rules.visible(b, query, key) {
+                        *score = f32::NEG_INFINITY;
+                    }
+                }
+            }
+        }
     }
 
     /// `stats` holds the head's softmax statistics, `[seq_q, 2]` flattened.
@@ -846,37 +976,45 @@ impl<'a> Kernel<'a> {
         stats: &mut [f32],
         output: &mut MatrixMut,
     ) {
-        let (q_start, q_len) = queries;
-        let keys = self.key_end(q_start + q_len - 1);
-        if keys == 0 {
-            // No query of the block sees a key: zero output (the buffer starts at zero) and
-            // statistics that make every recomputed probability 0.
-            for row_stats in stats.chunks_exact_mut(2) {
-                row_stats.copy_from_slice(&[f32::MIN, 0.0]);
+        let (b, h) = head;
+        let sink = self.sinks.map(|sinks| sinks[h]);
+        let keys = self.key_range(b, queries);
+        if keys.is_empty() {
+            // No query of the block sees a key: zero output (the buffer starts at zero), and
+            // statistics that make every recomputed probability 0 (the sink's alone is 1).
+            let row_stats = match sink {
+                Some(sink) => [sink, 1.0],
+                None => [f32::MIN, 0.0],
+            };
+            for stats in stats.chunks_exact_mut(2) {
+                stats.copy_from_slice(&row_stats);
             }
             return;
         }
+        let (q_len, width) = (queries.1, keys.len());
         let ForwardScratch {
             scores,
             inverse_sums,
         } = scratch;
-        self.score_block(scores, head, queries, keys);
+        self.score_block(scores, None, head, queries, &keys);
         inverse_sums.clear();
-        for (row_scores, row_stats) in scores.chunks_exact_mut(keys).zip(stats.chunks_exact_mut(2))
+        for (row_scores, row_stats) in scores
+            .chunks_exact_mut(width)
+            .zip(stats.chunks_exact_mut(2))
         {
-            let (max, inverse_sum) = softmax_numerators(row_scores);
+            let (max, inverse_sum) = softmax_numerators(row_scores, sink);
             inverse_sums.push(inverse_sum);
             row_stats.copy_from_slice(&[max, inverse_sum]);
         }
         // O = P V, then each row divided by its sum.
         let value = self
             .value
-            .head(head.0, self.geometry.kv_head(head.1))
-            .rows(0, keys);
+            .head(b, self.geometry.kv_head(h))
+            .rows(keys.start, width);
         gemm(
             output,
             false,
-            Matrix::new(scores, q_len, keys, keys, 1),
+            Matrix::new(scores, q_len, width, width, 1),
             value,
             1.0,
         );
@@ -885,8 +1023,8 @@ impl<'a> Kernel<'a> {
         }
     }
 
-    /// Every query head of key/value head `(b, kv_head)`: its query gradients, and its share of
-    /// the key/value head's.
+    /// Every query head of key/value head `(b, kv_head)`: its query gradients, its share of the
+    /// key/value head's, and its sink logit's.
     fn backward_kv_head(
         &self,
         scratch: &mut BackwardScratch,
@@ -895,13 +1033,23 @@ impl<'a> Kernel<'a> {
         grads: &mut KvHeadGrads,
     ) {
         let groups = self.geometry.groups();
-        for (group_index, query_grad) in grads.query.iter_mut().enumerate() {
+        let KvHeadGrads {
+            query,
+            key,
+            value,
+            sinks,
+        } = grads;
+        for (group_index, query_grad) in query.iter_mut().enumerate() {
             let h = kv_head * groups + group_index;
             for queries in self.query_blocks() {
                 let mut block_grads = BlockGrads {
                     query: query_grad.rows(queries.0, queries.1),
-                    key: &mut grads.key,
-                    value: &mut grads.value,
+                    key: &mut *key,
+                    value: &mut *value,
+                    sink: match self.sinks {
+                        Some(_) => sinks.get_mut(group_index),
+                        None => None,
+                    },
                 };
                 self.backward_query_block(scratch, rows, (b, h), queries, &mut block_grads);
             }
@@ -909,7 +1057,10 @@ impl<'a> Kernel<'a> {
     }
 
     /// One query block of head `(b, h)`: `P = exp(S - max) / Σ`, `dV += Pᵀ dO`,
-    /// `dS = P ∘ (dO Vᵀ - rowsum(P ∘ dO Vᵀ))`, `dQ = scale · dS K`, `dK += scale · dSᵀ Q`.
+    /// `dS = P ∘ (dO Vᵀ - D)` with `D = rowsum(P ∘ dO Vᵀ)` (times `1 - tanh²` under a soft
+    /// cap), `dQ = scale · dS K`, `dK += scale · dSᵀ Q`, `d sink -= P_sink · D`.
+    // Longer than most: the steps share the block's scratch buffers and views, and read best
+    // in the order of the formulas above.
     fn backward_query_block(
         &self,
         scratch: &mut BackwardScratch,
@@ -919,37 +1070,44 @@ impl<'a> Kernel<'a> {
         grads: &mut BlockGrads,
     ) {
         let (q_start, q_len) = queries;
-        let keys = self.key_end(q_start + q_len - 1);
-        if keys == 0 {
-            // The query gradient rows stay zero; nothing reaches the keys.
+        let keys = self.key_range(b, queries);
+        if keys.is_empty() {
+            // The query gradient rows stay zero; nothing reaches the keys or the sink (D = 0).
             return;
         }
+        let width = keys.len();
         let scale = self.params.scale as f32;
         let kv_head = self.geometry.kv_head(h);
         let BackwardScratch {
             probabilities,
             score_grads,
+            cap_derivatives,
         } = scratch;
-        self.score_block(probabilities, (b, h), queries, keys);
-        for (row, row_p) in probabilities.chunks_exact_mut(keys).enumerate() {
+        self.score_block(probabilities, Some(cap_derivatives), (b, h), queries, &keys);
+        let sink = self.sinks.map(|sinks| sinks[h]);
+        let mut sink_probabilities = vec![0.0f32; q_len];
+        for (row, row_p) in probabilities.chunks_exact_mut(width).enumerate() {
             let stats = rows.softmax_stats.row(b, h, q_start + row);
             let (max, inverse_sum) = (stats[0], stats[1]);
             simd::exp_shifted(row_p, max);
             row_p.iter_mut().for_each(|p| *p *= inverse_sum);
+            if let Some(sink) = sink {
+                sink_probabilities[row] = (sink - max).exp() * inverse_sum;
+            }
         }
         let output_grad = rows.output_grad.head(b, h).rows(q_start, q_len);
-        let probabilities = Matrix::new(probabilities, q_len, keys, keys, 1);
-        let value = self.value.head(b, kv_head).rows(0, keys);
+        let probabilities = Matrix::new(probabilities, q_len, width, width, 1);
+        let value = self.value.head(b, kv_head).rows(keys.start, width);
         gemm(
-            &mut grads.value.rows(0, keys),
+            &mut grads.value.rows(keys.start, width),
             true,
             probabilities.transposed(),
             output_grad,
             1.0,
         );
         score_grads.clear();
-        score_grads.resize(q_len * keys, 0.0);
-        let mut probability_grads = MatrixMut::from_slice(score_grads, q_len, keys, keys);
+        score_grads.resize(q_len * width, 0.0);
+        let mut probability_grads = MatrixMut::from_slice(score_grads, q_len, width, width);
         gemm(
             &mut probability_grads,
             false,
@@ -963,17 +1121,25 @@ impl<'a> Kernel<'a> {
         // autodiff through the explicit softmax does; dO · O, summed in another order, leaves
         // a rounding residue that large inputs amplify into the weight gradients. This kernel
         // holds a query block's whole rows, so the sum costs one pass over them.
-        for (row, grad_row) in score_grads.chunks_exact_mut(keys).enumerate() {
-            let row_p = &probabilities.values[row * keys..][..keys];
+        for (row, grad_row) in score_grads.chunks_exact_mut(width).enumerate() {
+            let row_p = &probabilities.values[row * width..][..width];
             let row_dot = simd::dot(row_p, grad_row);
             simd::softmax_grad(grad_row, row_p, row_dot);
+            if let Some(sink_grad) = grads.sink.as_deref_mut() {
+                *sink_grad -= sink_probabilities[row] * row_dot;
+            }
         }
-        let score_grads = Matrix::new(score_grads, q_len, keys, keys, 1);
-        let key = self.key.head(b, kv_head).rows(0, keys);
+        if self.params.softcap.is_some() {
+            for (grad, derivative) in score_grads.iter_mut().zip(cap_derivatives.iter()) {
+                *grad *= derivative;
+            }
+        }
+        let score_grads = Matrix::new(score_grads, q_len, width, width, 1);
+        let key = self.key.head(b, kv_head).rows(keys.start, width);
         let query = self.query.head(b, h).rows(q_start, q_len);
         gemm(&mut grads.query, false, score_grads, key, scale);
         gemm(
-            &mut grads.key.rows(0, keys),
+            &mut grads.key.rows(keys.start, width),
             true,
             score_grads.transposed(),
             query,
@@ -982,29 +1148,53 @@ impl<'a> Kernel<'a> {
     }
 }
 
-/// One backward query block's gradient targets: its query rows, and the whole key/value head.
+/// One backward query block's gradient targets: its query rows, the whole key/value head, and
+/// its head's sink logit.
 struct BlockGrads<'q, 'k, 'b> {
     query: MatrixMut<'q>,
     key: &'k mut MatrixMut<'b>,
     value: &'k mut MatrixMut<'b>,
+    sink: Option<&'k mut f32>,
+}
+
+/// Scores ← `cap · tanh(score / cap)`, and `derivatives` (if given) ← `1 - tanh²` of each.
+fn soft_cap(scores: &mut [f32], cap: f32, derivatives: Option<&mut Vec<f32>>) {
+    match derivatives {
+        Some(derivatives) => {
+            derivatives.extend(scores.iter_mut().map(|score| {
+                let tanh = (*score / cap).tanh();
+                *score = cap * tanh;
+                1.0 - tanh * tanh
+            }));
+        }
+        None => scores
+            .iter_mut()
+            .for_each(|score| *score = cap * (*score / cap).tanh()),
+    }
 }
 
 /// Turns one row of scores into `exp(score - max)` in place; returns the maximum and
-/// `1 / Σ exp(score - max)`.
+/// `1 / Σ exp(score - max)`, the sum taking the head's sink logit (one more logit, with no
+/// value) when there is one.
 ///
-/// A row with no allowed key becomes zeros, with statistics (`f32::MIN`, 0) that make every
-/// recomputed probability 0. A row holding NaN stays NaN, as in every other path.
-fn softmax_numerators(row: &mut [f32]) -> (f32, f32) {
-    let max = simd::max(row);
-    if max == f32::NEG_INFINITY {
+/// A row with no allowed key (and no sink) becomes zeros, with statistics (`f32::MIN`, 0)
+/// that make every recomputed probability 0. A row holding NaN stays NaN, as in every other
+/// path.
+fn softmax_numerators(row: &mut [f32], sink: Option<f32>) -> (f32, f32) {
+    let row_max = simd::max(row);
+    if row_max == f32::NEG_INFINITY && row.iter().any(|score| score.is_nan()) {
         // `simd::max` skips NaN: tell an empty row from one of NaN scores.
-        if row.iter().any(|score| score.is_nan()) {
-            row.fill(f32::NAN);
-            return (f32::NAN, f32::NAN);
-        }
+        row.fill(f32::NAN);
+        return (f32::NAN, f32::NAN);
+    }
+    let max = match sink {
+        Some(sink) => row_max.max(sink),
+        None => row_max,
+    };
+    if max == f32::NEG_INFINITY {
         row.fill(0.0);
         return (f32::MIN, 0.0);
     }
-    let sum = simd::exp_shifted(row, max);
+    let sum = simd::exp_shifted(row, max) + sink.map_or(0.0, |sink| (sink - max).exp());
     (max, 1.0 / sum)
 }

@@ -3,10 +3,15 @@
 //! what the native kernels fall back to for dtypes they do not take.
 //!
 //! Forward: per query block, an online softmax over the visible key blocks (running maximum,
-//! sum of exponentials and weighted values), then each query's maximum `m` and inverse sum.
-//! Backward (FlashAttention-2, Dao 2023, Algorithm 2): `D = rowsum(dO ∘ O)`, then per query
-//! block and key block `P = exp(S - m) / Σ`, `dV += Pᵀ dO`, `dS = P ∘ (dO Vᵀ - D)`,
-//! `dQ += dS K · scale`, `dK += dSᵀ Q · scale`.
+//! sum of exponentials and weighted values; started from the head's sink logit when there is
+//! one), then each query's maximum `m` and inverse sum. Backward (FlashAttention-2, Dao 2023,
+//! Algorithm 2): `D = rowsum(dO ∘ O)`, then per query block and key block
+//! `P = exp(S - m) / Σ`, `dV += Pᵀ dO`, `dS = P ∘ (dO Vᵀ - D)` (times `1 - tanh²` under a soft
+//! cap), `dQ += dS K · scale`, `dK += dSᵀ Q · scale`; a sink's gradient is
+//! `-Σ P_sink · D`.
+//!
+//! The rules of a call (causal, window, segments, ALiBi) are made for each block on the host
+//! and uploaded, never for the whole score matrix.
 
 use burn::backend::tensor::{BoolTensor, FloatTensor};
 use burn::backend::{Backend, Shape, Slice, TensorData, TensorMetadata};
@@ -30,16 +35,16 @@ pub(super) fn forward<B: Backend>(inputs: &FlashInputs<B>) -> FlashForward<B> {
 /// `[batch, n_heads, q_len, 2]` of one query block.
 fn forward_query_block<B: Backend>(block: &ScoreBlock<B>) -> (FloatTensor<B>, FloatTensor<B>) {
     let inputs = block.inputs;
-    let mut softmax: Option<OnlineSoftmax<B>> = None;
+    let mut softmax: Option<OnlineSoftmax<B>> = OnlineSoftmax::from_sinks(block);
     for keys in block.visible_key_blocks() {
         let (k_start, k_len) = keys;
         let key_block = narrow_float::<B>(inputs.key.clone(), 2, k_start, k_len);
         let value_block = narrow_float::<B>(inputs.value.clone(), 2, k_start, k_len);
-        let scores = block.scores(keys, &key_block);
+        let (scores, _) = block.scores(keys, &key_block);
         softmax = Some(OnlineSoftmax::update(softmax, block, scores, value_block));
     }
-    // No visible key block: every key is in the future of every query of this block (more
-    // queries than keys under a causal mask).
+    // No visible key block (and no sink): every key is hidden from every query of this block
+    // (more queries than keys under a causal mask, say).
     softmax
         .unwrap_or_else(|| OnlineSoftmax::empty(block))
         .finish()
@@ -56,6 +61,29 @@ struct OnlineSoftmax<B: Backend> {
 }
 
 impl<B: Backend> OnlineSoftmax<B> {
+    /// The softmax of the head's sink logit alone (one more logit with no value), or `None`
+    /// without sinks.
+    fn from_sinks(block: &ScoreBlock<B>) -> Option<Self> {
+        let sinks = block.inputs.sinks.clone()?;
+        let (_, q_len) = block.queries;
+        let geometry = &block.geometry;
+        let query = &block.inputs.query;
+        let (device, dtype) = (query.device(), query.dtype().into());
+        let per_query = per_head(geometry, q_len, 1);
+        Some(Self {
+            max: B::float_expand(
+                B::float_reshape(sinks, Shape::new([1, geometry.n_heads, 1, 1])),
+                per_query.clone(),
+            ),
+            sum: B::float_ones(per_query, &device, dtype),
+            accumulated: B::float_zeros(
+                per_head(geometry, q_len, geometry.value_dim),
+                &device,
+                dtype,
+            ),
+        })
+    }
+
     fn update(
         previous: Option<Self>,
         block: &ScoreBlock<B>,
@@ -156,7 +184,8 @@ pub(super) fn backward<B: Backend>(
             let block = ScoreBlock::new(inputs, geometry, queries);
             let row_terms = RowTerms::of_block(state, &output_grad, &row_dot, &block);
             let mut query_grad = None;
-            for (index, keys) in block.visible_key_blocks().enumerate() {
+            for keys in block.visible_key_blocks() {
+                let index = keys.0 / inputs.params.blocks.key;
                 let grads = block_grads(&block, &row_terms, keys);
                 accumulate::<B>(&mut query_grad, grads.query);
                 accumulate::<B>(&mut key_grads[index], grads.key);
@@ -189,7 +218,30 @@ pub(super) fn backward<B: Backend>(
         query: B::float_cat(query_grads, 2),
         key: concat_key_blocks(key_grads, geometry.head_dim),
         value: concat_key_blocks(value_grads, geometry.value_dim),
+        sinks: sinks_grad(state, row_dot),
     }
+}
+
+/// `d sink_h = -Σ_{b,i} P_sink · D`: a sink's probability `exp(sink - m) / Σ` against each
+/// row's `D = rowsum(dO ∘ O)` (the sink has no value, so `dP_sink = 0`); `[n_heads]`.
+fn sinks_grad<B: Backend>(
+    state: &FlashState<B>,
+    row_dot: FloatTensor<B>,
+) -> Option<FloatTensor<B>> {
+    let sinks = state.inputs.sinks.clone()?;
+    let stats = state.softmax_stats.clone();
+    let [batch, n_heads, seq_q, _] = super::dims(&stats.shape());
+    let per_query = Shape::new([batch, n_heads, seq_q, 1]);
+    let max = narrow_float::<B>(stats.clone(), 3, 0, 1);
+    let inverse_sum = narrow_float::<B>(stats, 3, 1, 1);
+    let sinks = B::float_expand(
+        B::float_reshape(sinks, Shape::new([1, n_heads, 1, 1])),
+        per_query,
+    );
+    let sink_probability = B::float_mul(B::float_exp(B::float_sub(sinks, max)), inverse_sum);
+    let terms = B::float_neg(B::float_mul(sink_probability, row_dot));
+    let per_head = B::float_sum_dim(B::float_sum_dim(terms, 2), 0);
+    Some(B::float_reshape(per_head, Shape::new([n_heads])))
 }
 
 /// What the backward of one query block reads per query: its softmax statistics, `D`, and the
@@ -246,7 +298,7 @@ fn block_grads<B: Backend>(
     let (_, q_len) = block.queries;
     let key_block = narrow_float::<B>(inputs.key.clone(), 2, k_start, k_len);
     let value_block = narrow_float::<B>(inputs.value.clone(), 2, k_start, k_len);
-    let scores = block.scores((k_start, k_len), &key_block);
+    let (scores, cap_derivative) = block.scores((k_start, k_len), &key_block);
     let probabilities = B::float_mul(
         B::float_exp(B::float_sub(scores, rows.max.clone())),
         rows.inverse_sum.clone(),
@@ -266,13 +318,14 @@ fn block_grads<B: Backend>(
         ),
         per_head(geometry, q_len, k_len),
     );
-    let score_grad = B::float_reshape(
-        B::float_mul(
-            probabilities,
-            B::float_sub(probability_grad, rows.row_dot.clone()),
-        ),
-        grouped(geometry, q_len, k_len),
+    let mut score_grad = B::float_mul(
+        probabilities,
+        B::float_sub(probability_grad, rows.row_dot.clone()),
     );
+    if let Some(derivative) = cap_derivative {
+        score_grad = B::float_mul(score_grad, derivative);
+    }
+    let score_grad = B::float_reshape(score_grad, grouped(geometry, q_len, k_len));
     // dK = dSᵀ (scale · Q); dQ = dS K (the caller multiplies by the scale).
     let key = B::float_matmul(
         B::float_swap_dims(score_grad.clone(), 2, 3),
@@ -312,16 +365,25 @@ impl<'a, B: Backend> ScoreBlock<'a, B> {
     /// Key blocks `(start, length)` that some query of this block may see.
     fn visible_key_blocks(&self) -> impl Iterator<Item = (usize, usize)> + use<'a, B> {
         let (q_start, q_len) = self.queries;
-        let key_end = if self.inputs.params.causal {
-            self.geometry.causal_key_end(q_start + q_len - 1)
-        } else {
-            self.geometry.seq_k
-        };
-        blocks(self.geometry.seq_k, self.inputs.params.blocks.key)
-            .take_while(move |&(k_start, _)| k_start < key_end)
+        let rules = &self.inputs.params.rules;
+        let visible = (0..self.geometry.batch)
+            .map(|b| rules.key_range(b, q_start..q_start + q_len, self.geometry.seq_k))
+            .filter(|range| !range.is_empty())
+            .reduce(|a, b| a.start.min(b.start)..a.end.max(b.end))
+            .unwrap_or(0..0);
+        blocks(self.geometry.seq_k, self.inputs.params.blocks.key).filter(
+            move |&(k_start, k_len)| k_start < visible.end && k_start + k_len > visible.start,
+        )
     }
 
-    fn scores(&self, keys: (usize, usize), key_block: &FloatTensor<B>) -> FloatTensor<B> {
+    /// The scores of this query block against keys `keys`: capped, biased, hidden keys at
+    /// `-inf`, `[batch, n_heads, q_len, k_len]`; and under a soft cap its derivative
+    /// `1 - tanh²`, which the backward multiplies `dS` by.
+    fn scores(
+        &self,
+        keys: (usize, usize),
+        key_block: &FloatTensor<B>,
+    ) -> (FloatTensor<B>, Option<FloatTensor<B>>) {
         let (q_start, q_len) = self.queries;
         let (k_start, k_len) = keys;
         let shape = per_head(&self.geometry, q_len, k_len);
@@ -330,6 +392,13 @@ impl<'a, B: Backend> ScoreBlock<'a, B> {
             B::float_matmul(self.scaled_query.clone(), transposed),
             shape.clone(),
         );
+        let mut cap_derivative = None;
+        if let Some(cap) = self.inputs.params.softcap {
+            let tanh = B::float_tanh(B::float_div_scalar(scores, cap.into()));
+            let squared = B::float_mul(tanh.clone(), tanh.clone());
+            cap_derivative = Some(B::float_add_scalar(B::float_neg(squared), 1.0.into()));
+            scores = B::float_mul_scalar(tanh, cap.into());
+        }
         if let Some(bias) = &self.inputs.bias {
             let bias = narrow_float::<B>(
                 narrow_float::<B>(bias.clone(), 2, q_start, q_len),
@@ -339,8 +408,18 @@ impl<'a, B: Backend> ScoreBlock<'a, B> {
             );
             scores = B::float_add(scores, B::float_expand(bias, shape.clone()));
         }
-        // The mask replaces the score rather than adding to it, so that a forbidden key drops
-        // out whatever its score (an infinite one included).
+        let device = scores.device();
+        let rules = &self.inputs.params.rules;
+        let (queries, keys) = (q_start..q_start + q_len, k_start..k_start + k_len);
+        if let Some((values, bias_shape)) =
+            rules.block_bias(self.geometry.n_heads, queries.clone(), keys.clone())
+        {
+            let data = TensorData::new(values, bias_shape).convert_dtype(scores.dtype());
+            let alibi = B::float_from_data(data, &device);
+            scores = B::float_add(scores, B::float_expand(alibi, shape.clone()));
+        }
+        // Masks replace the score rather than adding to it, so that a forbidden key drops out
+        // whatever its score (an infinite one included).
         if let Some(forbid) = &self.inputs.forbid {
             let forbid = narrow_bool::<B>(
                 narrow_bool::<B>(forbid.clone(), 2, q_start, q_len),
@@ -354,34 +433,33 @@ impl<'a, B: Backend> ScoreBlock<'a, B> {
                 f32::NEG_INFINITY.into(),
             );
         }
-        // The block's first query sees the fewest keys; a block wholly before its horizon needs
-        // no causal mask.
-        if self.inputs.params.causal && k_start + k_len > self.geometry.causal_key_end(q_start) {
-            let future = self.causal_block(keys, &scores.device());
+        if let Some((values, forbid_shape)) = rules.block_forbid(self.geometry.batch, queries, keys)
+        {
+            let hidden = bool_from_flags::<B>(values, forbid_shape, &device);
             scores = B::float_mask_fill(
                 scores,
-                B::bool_expand(future, shape),
+                B::bool_expand(hidden, shape),
                 f32::NEG_INFINITY.into(),
             );
         }
-        scores
+        (scores, cap_derivative)
     }
+}
 
-    /// `[1, 1, q_len, k_len]`: `true` where the key lies in the query's causal future.
-    fn causal_block(&self, (k_start, k_len): (usize, usize), device: &B::Device) -> BoolTensor<B> {
-        let (q_start, q_len) = self.queries;
-        let values: Vec<f32> = (q_start..q_start + q_len)
-            .flat_map(|query| {
-                let key_end = self.geometry.causal_key_end(query);
-                (k_start..k_start + k_len).map(move |key| f32::from(u8::from(key >= key_end)))
-            })
-            .collect();
-        // Made from floats by a comparison, which gives the bool storage the backend uses
-        // (CubeCL backends take no bool data of Rust's own layout).
-        let flags = B::float_from_data(TensorData::new(values, [1, 1, q_len, k_len]), device);
-        let bool_dtype = burn::backend::get_device_settings::<B>(device).bool_dtype;
-        B::float_greater_elem(flags, 0.5.into(), bool_dtype)
-    }
+/// A bool tensor of `shape` from flags: made from floats by a comparison, which gives the bool
+/// storage the backend uses (CubeCL backends take no bool data of Rust's own layout).
+fn bool_from_flags<B: Backend>(
+    flags: Vec<bool>,
+    shape: [usize; 4],
+    device: &B::Device,
+) -> BoolTensor<B> {
+    let values: Vec<f32> = flags
+        .into_iter()
+        .map(|flag| f32::from(u8::from(flag)))
+        .collect();
+    let flags = B::float_from_data(TensorData::new(values, shape), device);
+    let bool_dtype = burn::backend::get_device_settings::<B>(device).bool_dtype;
+    B::float_greater_elem(flags, 0.5.into(), bool_dtype)
 }
 
 /// `(start, length)` of the blocks of `block` elements (the last one shorter) over `length`.

@@ -31,6 +31,7 @@ use crate::geometry::Geometry;
 use crate::input::BlockSizes;
 use crate::kernel::SoftmaxOptions;
 use crate::mask::ScoreMasks;
+use crate::rules::ScoreRules;
 
 #[cfg(any(feature = "flex", feature = "ndarray"))]
 mod cpu;
@@ -38,14 +39,15 @@ mod generic;
 #[cfg(any(feature = "flex", feature = "ndarray"))]
 mod simd;
 
-/// What one flash-attention call computes besides `q`, `k` and `v`.
-#[derive(Debug, Clone, Copy, PartialEq)]
+/// What one flash-attention call computes besides `q`, `k`, `v` and the masks.
+#[derive(Debug, Clone, PartialEq)]
 pub struct FlashParams {
     /// Multiplies `q kᵀ`.
     pub scale: f64,
-    /// Bottom-right aligned causal masking: query `i` of `seq_q` sees keys up to
-    /// `i + seq_k - seq_q`.
-    pub causal: bool,
+    /// Scores become `softcap · tanh(score / softcap)` after scaling, before biases and masks.
+    pub softcap: Option<f64>,
+    /// Causal masking, a window, segments, ALiBi: applied by the kernel to each block.
+    pub(crate) rules: ScoreRules,
     /// Query and key block sizes.
     pub blocks: BlockSizes,
 }
@@ -106,7 +108,8 @@ impl<B: Backend> MaybeBool<B> {
     Autodiff
 )]
 pub(crate) trait FlashAttentionBackend: Backend {
-    /// `softmax(q kᵀ · scale + bias, forbidden and causal-future keys removed) v` by blocks.
+    /// `softmax(cap(q kᵀ · scale) + bias, forbidden keys removed, sinks in the denominator) v`
+    /// by blocks.
     ///
     /// # Shapes
     ///
@@ -115,6 +118,7 @@ pub(crate) trait FlashAttentionBackend: Backend {
     /// - value: `[batch, n_kv_heads, seq_k, value_dim]`
     /// - bias, forbid: broadcastable to `[batch, n_heads, seq_q, seq_k]`; the bias is treated as
     ///   a constant (it gets no gradient)
+    /// - sinks: `[n_heads]`, one more logit per head in every softmax's denominator
     /// - output: `[batch, n_heads, seq_q, value_dim]`; a query with no allowed key outputs zeros
     fn flash_attention(
         query: FloatTensor<Self>,
@@ -122,6 +126,7 @@ pub(crate) trait FlashAttentionBackend: Backend {
         value: FloatTensor<Self>,
         #[extension_type] bias: MaybeFloat<Self>,
         #[extension_type] forbid: MaybeBool<Self>,
+        #[extension_type] sinks: MaybeFloat<Self>,
         params: FlashParams,
     ) -> FloatTensor<Self> {
         let inputs = FlashInputs::<Self> {
@@ -130,6 +135,7 @@ pub(crate) trait FlashAttentionBackend: Backend {
             value,
             bias: bias.into_option(),
             forbid: forbid.into_option(),
+            sinks: sinks.into_option(),
             params,
         };
         generic::forward(&inputs).output
@@ -182,6 +188,7 @@ macro_rules! native_flash_kernels {
                 value: FloatTensor<Self>,
                 bias: MaybeFloat<Self>,
                 forbid: MaybeBool<Self>,
+                sinks: MaybeFloat<Self>,
                 params: FlashParams,
             ) -> FloatTensor<Self> {
                 let inputs = FlashInputs {
@@ -190,6 +197,7 @@ macro_rules! native_flash_kernels {
                     value,
                     bias: bias.into_option(),
                     forbid: forbid.into_option(),
+                    sinks: sinks.into_option(),
                     params,
                 };
                 Self::forward_kernel(&inputs).output
@@ -259,36 +267,58 @@ impl<B: FlashKernels, C: CheckpointStrategy> FlashAttentionBackend for Autodiff<
         value: FloatTensor<Self>,
         bias: MaybeFloat<Self>,
         forbid: MaybeBool<Self>,
+        sinks: MaybeFloat<Self>,
         params: FlashParams,
     ) -> FloatTensor<Self> {
+        let sinks = sinks.into_option();
         let nodes = [query.node(), key.node(), value.node()];
+        let sinks_node = sinks.as_ref().map(|sinks| sinks.node());
         let inputs = FlashInputs::<B> {
             query: query.into_primitive(),
             key: key.into_primitive(),
             value: value.into_primitive(),
             bias: bias.into_option().map(|bias| bias.into_primitive()),
             forbid: forbid.into_option(),
+            sinks: sinks.map(|sinks| sinks.into_primitive()),
             params,
         };
-        match FlashAttentionBackward
-            .prepare::<C>(nodes)
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(prep) => {
-                let FlashForward {
-                    output,
-                    softmax_stats,
-                } = B::forward_kernel(&inputs);
-                let state = FlashState {
-                    inputs,
-                    output: output.clone(),
-                    softmax_stats,
-                };
-                prep.finish(state, output)
+        match sinks_node {
+            None => record::<B, C, 3>(nodes, inputs),
+            Some(sinks) => {
+                let [query, key, value] = nodes;
+                record::<B, C, 4>([query, key, value, sinks], inputs)
             }
-            OpsKind::UnTracked(prep) => prep.finish(B::forward_kernel(&inputs).output),
         }
+    }
+}
+
+/// Runs the forward and, when a parent is tracked, records the node that will run the
+/// backward: parents q, k, v, and the sinks when the call has them.
+fn record<B: FlashKernels, C: CheckpointStrategy, const N: usize>(
+    nodes: [burn::backend::autodiff::ops::NodeGuard; N],
+    inputs: FlashInputs<B>,
+) -> FloatTensor<Autodiff<B, C>>
+where
+    FlashAttentionBackward<N>: Backward<B, N, State = FlashState<B>>,
+{
+    match FlashAttentionBackward::<N>
+        .prepare::<C>(nodes)
+        .compute_bound()
+        .stateful()
+    {
+        OpsKind::Tracked(prep) => {
+            let FlashForward {
+                output,
+                softmax_stats,
+            } = B::forward_kernel(&inputs);
+            let state = FlashState {
+                inputs,
+                output: output.clone(),
+                softmax_stats,
+            };
+            prep.finish(state, output)
+        }
+        OpsKind::UnTracked(prep) => prep.finish(B::forward_kernel(&inputs).output),
     }
 }
 
@@ -346,7 +376,7 @@ pub(crate) fn flash_attention(
     key: Tensor<4>,
     value: Tensor<4>,
     masks: &ScoreMasks,
-    options: SoftmaxOptions,
+    options: &SoftmaxOptions,
     blocks: BlockSizes,
 ) -> Tensor<4> {
     assert!(
@@ -355,7 +385,6 @@ pub(crate) fn flash_attention(
          for that backend or use another `AttentionPath`",
         query.device()
     );
-    assert!(!options.quiet, "the flash kernel has no quiet softmax");
     // Half-precision inputs are computed in f32 (the softmax statistics and the sums over key
     // and query blocks lose too much in 8 or 11 bits of mantissa) and the output is returned in
     // their type, as mixed-precision training expects.
@@ -366,15 +395,25 @@ pub(crate) fn flash_attention(
     };
     let params = FlashParams {
         scale: options.scale,
-        causal: masks.causal,
+        softcap: options.softcap,
+        rules: masks.rules.clone(),
         blocks,
     };
+    let computed_in = match dtype {
+        DType::F16 | DType::BF16 => DType::F32,
+        other => other,
+    };
+    let sinks = options
+        .sinks
+        .clone()
+        .map(|sinks| sinks.cast(FloatDType::from(computed_in)).into_dispatch());
     let output = <Dispatch as FlashAttentionBackend>::flash_attention(
         widen(query).into_dispatch(),
         widen(key).into_dispatch(),
         widen(value).into_dispatch(),
         MaybeFloat::from_option(masks.bias.clone().map(|bias| widen(bias).into_dispatch())),
         MaybeBool::from_option(masks.forbid.clone().map(Tensor::<4, Bool>::into_dispatch)),
+        MaybeFloat::from_option(sinks),
         params,
     );
     let output = Tensor::<4>::from_dispatch(output);
@@ -392,6 +431,8 @@ pub(crate) struct FlashInputs<B: Backend> {
     pub value: FloatTensor<B>,
     pub bias: Option<FloatTensor<B>>,
     pub forbid: Option<BoolTensor<B>>,
+    /// `[n_heads]`
+    pub sinks: Option<FloatTensor<B>>,
     pub params: FlashParams,
 }
 
@@ -433,6 +474,28 @@ impl<B: Backend> FlashInputs<B> {
             self.params.blocks.query > 0 && self.params.blocks.key > 0,
             "flash attention: block sizes must be positive, got {:?}",
             self.params.blocks
+        );
+        if let Some(sinks) = &self.sinks {
+            let shape = sinks.shape();
+            assert!(
+                shape.num_dims() == 1 && shape[0] == n_heads,
+                "flash attention: one sink logit per query head, got sinks {shape:?}"
+            );
+        }
+        let rules = &self.params.rules;
+        assert!(
+            rules.positional_keys <= seq_k
+                && rules
+                    .alibi
+                    .as_ref()
+                    .is_none_or(|slopes| slopes.len() == n_heads)
+                && rules.segments.as_ref().is_none_or(|segments| {
+                    segments.seq_q == seq_q
+                        && segments.seq_k == rules.positional_keys
+                        && segments.query.len() == batch * seq_q
+                        && segments.key.len() == batch * rules.positional_keys
+                }),
+            "flash attention: the rules do not fit the call"
         );
         geometry
     }
@@ -496,18 +559,26 @@ impl<B: Backend> FlashState<B> {
     }
 }
 
+/// The flash op's autodiff node over `N` parents: q, k, v, and the sinks when a call has them.
 #[derive(Debug)]
-struct FlashAttentionBackward;
+pub(crate) struct FlashAttentionBackward<const N: usize>;
 
-impl<B: FlashKernels> Backward<B, 3> for FlashAttentionBackward {
+impl<B: FlashKernels, const N: usize> Backward<B, N> for FlashAttentionBackward<N> {
     type State = FlashState<B>;
 
-    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let [query_node, key_node, value_node] = ops.parents;
+    /// Registers one gradient for each tracked parent, exactly once (what data-parallel
+    /// training's per-parameter gradient sync counts on).
+    fn backward(self, ops: Ops<Self::State, N>, grads: &mut Gradients, _: &mut Checkpointer) {
         let output_grad = grads.consume::<B>(&ops.node);
-        let FlashGrads { query, key, value } = B::backward_kernel(&ops.state, output_grad);
-        for (node, grad) in [(query_node, query), (key_node, key), (value_node, value)] {
-            if let Some(node) = node {
+        let FlashGrads {
+            query,
+            key,
+            value,
+            sinks,
+        } = B::backward_kernel(&ops.state, output_grad);
+        let computed = [Some(query), Some(key), Some(value), sinks];
+        for (node, grad) in ops.parents.into_iter().zip(computed) {
+            if let (Some(node), Some(grad)) = (node, grad) {
                 grads.register::<B>(node.id, grad);
             }
         }
@@ -518,14 +589,18 @@ pub(crate) struct FlashGrads<B: Backend> {
     pub query: FloatTensor<B>,
     pub key: FloatTensor<B>,
     pub value: FloatTensor<B>,
+    /// `[n_heads]`, when the call had sinks.
+    pub sinks: Option<FloatTensor<B>>,
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::kernel::{chunked_attention, explicit_attention};
+    use crate::rules::Segments;
     use burn::nn::DropoutConfig;
     use burn::tensor::{Distribution, TensorData, Tolerance};
+    use std::sync::Arc;
 
     #[allow(deprecated)]
     fn cpu_devices() -> [Device; 2] {
@@ -536,11 +611,17 @@ mod tests {
         Tensor::random(shape, Distribution::Normal(0.0, 1.0), device)
     }
 
-    /// The masks of one comparison: what they are called and what they hold.
-    fn mask_cases(
-        device: &Device,
-        [batch, n_heads, seq_q, seq_k]: [usize; 4],
-    ) -> Vec<(&'static str, ScoreMasks)> {
+    /// One configuration of masks, rules, soft cap and sinks.
+    struct Case {
+        label: &'static str,
+        masks: ScoreMasks,
+        softcap: Option<f64>,
+        sinks: bool,
+    }
+
+    /// The cases the kernels are compared on: what they are called and what they hold.
+    // A table, one case per entry: it grows by an entry per feature.
+    fn cases(device: &Device, [batch, n_heads, seq_q, seq_k]: [usize; 4]) -> Vec<Case> {
         // Key padding as the module passes it, `[batch, 1, 1, seq_k]`: broadcast query and head
         // axes; the second sequence's last keys padded, one query row fully masked by a bool
         // mask on top.
@@ -552,76 +633,162 @@ mod tests {
         row[seq_k..2 * seq_k].fill(true);
         let dead_row =
             Tensor::<4, Bool>::from_data(TensorData::new(row, [1, 1, seq_q, seq_k]), device);
+        let none = || ScoreMasks::none(seq_k);
+        let causal = ScoreRules {
+            query_start: seq_k as i64 - seq_q as i64,
+            causal: true,
+            ..ScoreRules::none(seq_k)
+        };
+        // Two documents per row, split at a different place in each batch element.
+        let split = |len: usize, b: usize| (0..len).map(move |i| i64::from(i >= len / 2 + b));
+        let segments = Arc::new(Segments::new(
+            (0..batch).flat_map(|b| split(seq_q, b)).collect(),
+            (0..batch).flat_map(|b| split(seq_k, b)).collect(),
+            seq_q,
+            seq_k,
+        ));
+        let case = |label, masks, softcap, sinks| Case {
+            label,
+            masks,
+            softcap,
+            sinks,
+        };
         vec![
-            ("none", ScoreMasks::default()),
-            (
+            case("none", none(), None, false),
+            case(
                 "causal",
                 ScoreMasks {
-                    causal: true,
-                    ..ScoreMasks::default()
+                    rules: causal.clone(),
+                    ..none()
                 },
+                None,
+                false,
             ),
-            (
+            case(
                 "padding + dead row + causal",
                 ScoreMasks {
                     forbid: Some(
                         padding
                             .expand([batch, 1, seq_q, seq_k])
-                            .bool_or(dead_row.expand([batch, 1, seq_q, seq_k])),
+                            .bool_or(dead_row.clone().expand([batch, 1, seq_q, seq_k])),
                     ),
-                    causal: true,
-                    ..ScoreMasks::default()
+                    rules: causal.clone(),
+                    ..none()
                 },
+                None,
+                false,
             ),
-            (
+            case(
                 "broadcast padding",
                 ScoreMasks {
                     forbid: Some(Tensor::from_data(
                         TensorData::new(vec![false; batch * seq_k], [batch, 1, 1, seq_k]),
                         device,
                     )),
-                    ..ScoreMasks::default()
+                    ..none()
                 },
+                None,
+                false,
             ),
-            (
+            case(
                 "float bias",
                 ScoreMasks {
                     bias: Some(normal([batch, n_heads, seq_q, seq_k], device)),
-                    ..ScoreMasks::default()
+                    ..none()
                 },
+                None,
+                false,
+            ),
+            case(
+                "window 3, causal, ALiBi",
+                ScoreMasks {
+                    rules: ScoreRules {
+                        window: Some(3),
+                        alibi: Some((0..n_heads).map(|h| 0.5 / (h + 1) as f32).collect()),
+                        ..causal.clone()
+                    },
+                    ..none()
+                },
+                None,
+                false,
+            ),
+            case(
+                "segments, causal",
+                ScoreMasks {
+                    rules: ScoreRules {
+                        segments: Some(segments.clone()),
+                        ..causal.clone()
+                    },
+                    ..none()
+                },
+                None,
+                false,
+            ),
+            case(
+                "two-sided window 2, segments",
+                ScoreMasks {
+                    rules: ScoreRules {
+                        window: Some(2),
+                        segments: Some(segments),
+                        ..ScoreRules::none(seq_k)
+                    },
+                    ..none()
+                },
+                None,
+                false,
+            ),
+            case("soft cap 1.5", none(), Some(1.5), false),
+            case(
+                "sinks + dead row + causal",
+                ScoreMasks {
+                    forbid: Some(dead_row.expand([batch, 1, seq_q, seq_k])),
+                    rules: causal,
+                    ..none()
+                },
+                None,
+                true,
             ),
         ]
     }
 
-    /// Output and the gradients of q, k and v of `loss = Σ o · sin(o)` through `attend`.
+    /// The output and the gradients of q, k, v (and the sinks) of `loss = Σ o · sin(o)`.
     fn outputs_and_grads(
-        query: &Tensor<4>,
-        key: &Tensor<4>,
-        value: &Tensor<4>,
-        attend: impl Fn(Tensor<4>, Tensor<4>, Tensor<4>) -> Tensor<4>,
-    ) -> [Tensor<4>; 4] {
+        [query, key, value]: [&Tensor<4>; 3],
+        sinks: Option<&Tensor<1>>,
+        attend: impl Fn(Tensor<4>, Tensor<4>, Tensor<4>, Option<Tensor<1>>) -> Tensor<4>,
+    ) -> Vec<Tensor<4>> {
         let [query, key, value] = [query, key, value].map(|t| t.clone().detach().require_grad());
-        let output = attend(query.clone(), key.clone(), value.clone());
+        let sinks = sinks.map(|s| s.clone().detach().require_grad());
+        let output = attend(query.clone(), key.clone(), value.clone(), sinks.clone());
         let grads = (output.clone() * output.clone().sin()).sum().backward();
-        [
+        let mut all = vec![
             output.inner(),
             query.grad(&grads).unwrap(),
             key.grad(&grads).unwrap(),
             value.grad(&grads).unwrap(),
-        ]
+        ];
+        if let Some(sinks) = sinks {
+            all.push(sinks.grad(&grads).unwrap().reshape([1, 1, 1, -1]));
+        }
+        all
     }
 
-    /// The generic body (forced where a native kernel exists) against the explicit path, in
-    /// the output and the gradients of q, k and v: GQA, causal with more queries than keys and
-    /// fewer, broadcast key padding whose last query block holds one query, a fully masked
-    /// row, a float bias.
-    #[test]
-    fn the_generic_body_equals_the_explicit_path_in_outputs_and_gradients() {
-        let options = SoftmaxOptions {
+    fn options(case: &Case, sinks: Option<Tensor<1>>) -> SoftmaxOptions {
+        SoftmaxOptions {
             scale: 0.35,
             custom_scale: true,
-            quiet: false,
-        };
+            softcap: case.softcap,
+            sinks,
+        }
+    }
+
+    /// The generic body (forced where a native kernel exists) and the native kernel against
+    /// the explicit path, in the output and the gradients of q, k, v and the sinks: GQA, causal
+    /// with more queries than keys and fewer, broadcast key padding whose last query block
+    /// holds one query, a fully masked row, a float bias, windows one- and two-sided, ALiBi,
+    /// packed segments, a soft cap, sinks.
+    #[test]
+    fn both_bodies_equal_the_explicit_path_in_outputs_and_gradients() {
         let dropout = DropoutConfig::new(0.0).init();
         for device in cpu_devices() {
             let device = device.autodiff();
@@ -632,28 +799,38 @@ mod tests {
                 let query = normal([batch, n_heads, seq_q, 6], &device);
                 let key = normal([batch, n_kv_heads, seq_k, 6], &device);
                 let value = normal([batch, n_kv_heads, seq_k, 3], &device);
-                for (label, masks) in mask_cases(&device, [batch, n_heads, seq_q, seq_k]) {
+                let sinks = normal([n_heads], &device);
+                let heads = [&query, &key, &value];
+                for case in cases(&device, [batch, n_heads, seq_q, seq_k]) {
+                    let expected =
+                        outputs_and_grads(heads, case.sinks.then_some(&sinks), |q, k, v, s| {
+                            explicit_attention(q, k, v, &case.masks, &options(&case, s), &dropout).0
+                        });
                     for blocks in [
                         BlockSizes { query: 4, key: 2 },
                         BlockSizes { query: 1, key: 7 },
                     ] {
-                        let expected = outputs_and_grads(&query, &key, &value, |q, k, v| {
-                            explicit_attention(q, k, v, &masks, options, &dropout).0
-                        });
-                        let actual = with_generic_body(|| {
-                            outputs_and_grads(&query, &key, &value, |q, k, v| {
-                                flash_attention(q, k, v, &masks, options, blocks)
+                        let flash = || {
+                            outputs_and_grads(heads, case.sinks.then_some(&sinks), |q, k, v, s| {
+                                flash_attention(q, k, v, &case.masks, &options(&case, s), blocks)
                             })
-                        });
-                        for (what, (actual, expected)) in ["output", "d query", "d key", "d value"]
-                            .iter()
-                            .zip(actual.into_iter().zip(expected))
-                        {
-                            actual.into_data().assert_approx_eq::<f32>(
-                                &expected.into_data(),
-                                Tolerance::absolute(1e-5),
-                            );
-                            let _ = (what, label, seq_q, seq_k);
+                        };
+                        let bodies = [("native", flash()), ("generic", with_generic_body(flash))];
+                        for (body, actual) in bodies {
+                            assert_eq!(actual.len(), expected.len());
+                            for (index, (actual, expected)) in
+                                actual.into_iter().zip(&expected).enumerate()
+                            {
+                                let what =
+                                    ["output", "d query", "d key", "d value", "d sinks"][index];
+                                let difference =
+                                    (actual - expected.clone()).abs().max().into_scalar::<f32>();
+                                assert!(
+                                    difference <= 1e-5,
+                                    "{} {seq_q}x{seq_k} {blocks:?} {body}: {what} differs by {difference}",
+                                    case.label
+                                );
+                            }
                         }
                     }
                 }
@@ -666,11 +843,6 @@ mod tests {
     /// computed in the same precision, plus a little.
     #[test]
     fn half_precision_inputs_are_as_accurate_as_the_explicit_path_in_that_precision() {
-        let options = SoftmaxOptions {
-            scale: 0.35,
-            custom_scale: true,
-            quiet: false,
-        };
         let dropout = DropoutConfig::new(0.0).init();
         let device = Device::flex().autodiff();
         device.seed(32);
@@ -678,8 +850,10 @@ mod tests {
         let query = normal([batch, n_heads, seq_q, 17], &device);
         let key = normal([batch, n_kv_heads, seq_k, 17], &device);
         let value = normal([batch, n_kv_heads, seq_k, 5], &device);
-        let max_error = |a: Tensor<4>, b: Tensor<4>| -> f32 {
-            (a.cast(FloatDType::F32) - b)
+        let sinks = normal([n_heads], &device);
+        let heads = [&query, &key, &value];
+        let max_error = |a: &Tensor<4>, b: &Tensor<4>| -> f32 {
+            (a.clone().cast(FloatDType::F32) - b.clone())
                 .abs()
                 .max()
                 .into_scalar::<f32>()
@@ -688,22 +862,26 @@ mod tests {
             if !device.supports_dtype(dtype) {
                 continue;
             }
-            for (label, masks) in mask_cases(&device, [batch, n_heads, seq_q, seq_k]) {
-                let reference = outputs_and_grads(&query, &key, &value, |q, k, v| {
-                    explicit_attention(q, k, v, &masks, options, &dropout).0
-                });
+            for case in cases(&device, [batch, n_heads, seq_q, seq_k]) {
+                let reference =
+                    outputs_and_grads(heads, case.sinks.then_some(&sinks), |q, k, v, s| {
+                        explicit_attention(q, k, v, &case.masks, &options(&case, s), &dropout).0
+                    });
                 let low = |t: Tensor<4>| t.cast(dtype);
                 let low_masks = ScoreMasks {
-                    bias: masks.bias.clone().map(low),
-                    ..masks.clone()
+                    bias: case.masks.bias.clone().map(low),
+                    ..case.masks.clone()
                 };
-                let explicit_low = outputs_and_grads(&query, &key, &value, |q, k, v| {
-                    explicit_attention(low(q), low(k), low(v), &low_masks, options, &dropout).0
-                });
+                let explicit_low =
+                    outputs_and_grads(heads, case.sinks.then_some(&sinks), |q, k, v, s| {
+                        let options = options(&case, s.map(|s| s.cast(dtype)));
+                        explicit_attention(low(q), low(k), low(v), &low_masks, &options, &dropout).0
+                    });
                 let flash_low = || {
-                    outputs_and_grads(&query, &key, &value, |q, k, v| {
+                    outputs_and_grads(heads, case.sinks.then_some(&sinks), |q, k, v, s| {
                         let blocks = BlockSizes { query: 4, key: 5 };
-                        flash_attention(low(q), low(k), low(v), &low_masks, options, blocks)
+                        let options = options(&case, s.map(|s| s.cast(dtype)));
+                        flash_attention(low(q), low(k), low(v), &low_masks, &options, blocks)
                     })
                 };
                 let bodies = [
@@ -711,15 +889,14 @@ mod tests {
                     ("generic", with_generic_body(flash_low)),
                 ];
                 for (body, flash_low) in bodies {
-                    let parts = ["output", "d query", "d key", "d value"];
-                    for (index, what) in parts.iter().enumerate() {
-                        let yardstick =
-                            max_error(explicit_low[index].clone(), reference[index].clone());
-                        let error = max_error(flash_low[index].clone(), reference[index].clone());
+                    for (index, flash) in flash_low.iter().enumerate() {
+                        let what = ["output", "d query", "d key", "d value", "d sinks"][index];
+                        let yardstick = max_error(&explicit_low[index], &reference[index]);
+                        let error = max_error(flash, &reference[index]);
                         assert!(
                             error <= 2.0 * yardstick + 1e-3,
-                            "{dtype:?} {label} {body}: {what} error {error} > 2 × {yardstick} \
-                             + 1e-3"
+                            "{dtype:?} {} {body}: {what} error {error} > 2 × {yardstick} + 1e-3",
+                            case.label
                         );
                     }
                 }
@@ -735,14 +912,15 @@ mod tests {
         let options = SoftmaxOptions {
             scale: 1.0,
             custom_scale: true,
-            quiet: false,
+            softcap: None,
+            sinks: None,
         };
         flash_attention(
             normal([1, 2, 3, 8], &device),
             normal([1, 2, 4, 4], &device),
             normal([1, 2, 4, 4], &device),
-            &ScoreMasks::default(),
-            options,
+            &ScoreMasks::none(4),
+            &options,
             BlockSizes::default(),
         );
     }
@@ -752,12 +930,7 @@ mod tests {
     /// what contiguous copies of them give on the tensor-op path.
     #[test]
     fn any_input_layout_gives_the_contiguous_result() {
-        #[allow(deprecated)]
-        let devices = [Device::flex(), Device::ndarray()];
-        for device in devices {
-            if !flash_attention_supported(&device) {
-                continue;
-            }
+        for device in cpu_devices() {
             device.seed(3);
             let normal = Distribution::Normal(0.0, 1.0);
             // [batch, seq, heads, dim] memory seen as [batch, heads, seq, dim].
@@ -769,13 +942,18 @@ mod tests {
                 Tensor::<4>::from_data(data, &device)
             };
             let masks = ScoreMasks {
-                causal: true,
-                ..ScoreMasks::default()
+                rules: ScoreRules {
+                    query_start: 2,
+                    causal: true,
+                    ..ScoreRules::none(7)
+                },
+                ..ScoreMasks::none(7)
             };
             let options = SoftmaxOptions {
                 scale: 0.3,
                 custom_scale: true,
-                quiet: false,
+                softcap: None,
+                sinks: None,
             };
             let sizes = BlockSizes { query: 2, key: 3 };
             let expected = chunked_attention(
@@ -783,10 +961,10 @@ mod tests {
                 copy(&key),
                 copy(&value),
                 &masks,
-                options,
+                &options,
                 sizes,
             );
-            let actual = flash_attention(query, key, value, &masks, options, sizes);
+            let actual = flash_attention(query, key, value, &masks, &options, sizes);
             actual
                 .into_data()
                 .assert_approx_eq::<f32>(&expected.into_data(), Tolerance::absolute(1e-5));

@@ -1,12 +1,12 @@
 //! The explicit path: scores, softmax and the weighted sum as separate tensor operations, with
-//! the weights in hand for the caller, dropout and the quiet softmax.
+//! the weights in hand for the caller and dropout; the reference every other path is held to.
 
 use burn::nn::Dropout;
 use burn::tensor::Tensor;
 use burn::tensor::activation::softmax;
 
 use super::{SoftmaxOptions, lowest_finite};
-use crate::mask::{ScoreMasks, causal_mask};
+use crate::mask::ScoreMasks;
 
 /// The attention probabilities `[batch, n_heads, seq_q, seq_k]` (before dropout).
 ///
@@ -16,7 +16,7 @@ fn attention_probabilities(
     query: Tensor<4>,
     key: Tensor<4>,
     masks: &ScoreMasks,
-    options: SoftmaxOptions,
+    options: &SoftmaxOptions,
 ) -> Tensor<4> {
     let [batch, n_heads, seq_q, head_dim] = query.dims();
     let [_, n_kv_heads, seq_k, _] = key.dims();
@@ -29,25 +29,27 @@ fn attention_probabilities(
     let mut scores = grouped_query
         .matmul(key.swap_dims(2, 3))
         .reshape(scores_shape);
-    let causal = masks
-        .causal
-        .then(|| causal_mask(seq_q, seq_k, &scores.device()).reshape([1, 1, seq_q, seq_k]));
-    let forbid = match (masks.forbid.clone(), causal) {
-        (Some(forbid), Some(causal)) => Some(forbid.bool_or(causal)),
-        (forbid, causal) => forbid.or(causal),
-    };
-    if options.quiet || masks.bias.is_some() {
+    if let Some(cap) = options.softcap {
+        scores = soft_cap(scores, cap);
+    }
+    let device = scores.device();
+    let (forbid, bias) = masks.block(
+        [batch, n_heads],
+        0..seq_q,
+        0..seq_k,
+        (&device, scores.dtype()),
+    );
+    if options.sinks.is_some() || bias.is_some() {
         // A float bias may hold `-inf` anywhere, so only the row-checking softmax is safe.
-        if let Some(bias) = &masks.bias {
-            scores = scores + bias.clone().expand(scores_shape);
+        if let Some(bias) = bias {
+            scores = scores + bias.expand(scores_shape);
         }
         if let Some(forbid) = forbid {
             scores = scores.mask_fill(forbid.expand(scores_shape), f32::NEG_INFINITY);
         }
-        return if options.quiet {
-            quiet_softmax_last_dim(scores)
-        } else {
-            safe_softmax_last_dim(scores)
+        return match &options.sinks {
+            Some(sinks) => softmax_with_sinks(scores, sinks.clone()),
+            None => safe_softmax_last_dim(scores),
         };
     }
     match forbid {
@@ -57,6 +59,7 @@ fn attention_probabilities(
             // one, but turns a row of `-inf` into NaN. Forbidden scores get the lowest finite
             // value instead (still exactly 0 after the exponential next to any allowed key),
             // and the rows with no allowed key, known from the mask alone, are zeroed.
+            let forbid = forbid.expand(scores_shape);
             let any_allowed = forbid
                 .clone()
                 .bool_not()
@@ -64,10 +67,15 @@ fn attention_probabilities(
                 .float()
                 .cast(scores.dtype());
             let lowest = lowest_finite(scores.dtype());
-            let scores = scores.mask_fill(forbid.expand(scores_shape), lowest);
+            let scores = scores.mask_fill(forbid, lowest);
             softmax(scores, 3) * any_allowed
         }
     }
+}
+
+/// `cap · tanh(scores / cap)`: logit soft-capping (Gemma 2).
+pub(crate) fn soft_cap<const D: usize>(scores: Tensor<D>, cap: f64) -> Tensor<D> {
+    scores.div_scalar(cap).tanh().mul_scalar(cap)
 }
 
 /// Softmax over the last axis that returns zeros for a row of `-inf`.
@@ -85,12 +93,23 @@ fn safe_softmax_last_dim(scores: Tensor<4>) -> Tensor<4> {
     exp / (sum + empty_row)
 }
 
-/// `exp(x_i) / (1 + Σ_j exp(x_j))`, shifted by `max(0, max_j x_j)` for stability; an all-`-inf`
-/// row gives zeros.
-fn quiet_softmax_last_dim(scores: Tensor<4>) -> Tensor<4> {
-    let shift = scores.clone().detach().max_dim(3).clamp_min(0.0);
-    let exp = (scores - shift.clone()).exp();
-    let denominator = exp.clone().sum_dim(3) + shift.neg().exp();
+/// `exp(x_i) / (exp(s_h) + Σ_j exp(x_j))`: a softmax whose denominator holds one more logit
+/// per head, `s_h` (`sinks`, `[n_heads]`), that takes weight but has no value: attention sinks
+/// (gpt-oss), or the quiet softmax with `s = 0`. Shifted by the detached maximum of the row and
+/// the sink; a row of `-inf` gives zeros.
+fn softmax_with_sinks(scores: Tensor<4>, sinks: Tensor<1>) -> Tensor<4> {
+    let [batch, heads, seq_q, _] = scores.dims();
+    let sinks = sinks
+        .cast(scores.dtype())
+        .reshape([1, heads, 1, 1])
+        .expand([batch, heads, seq_q, 1]);
+    let max = scores
+        .clone()
+        .detach()
+        .max_dim(3)
+        .max_pair(sinks.clone().detach());
+    let exp = (scores - max.clone()).exp();
+    let denominator = exp.clone().sum_dim(3) + (sinks - max).exp();
     exp / denominator
 }
 
@@ -109,7 +128,7 @@ pub(crate) fn explicit_attention(
     key: Tensor<4>,
     value: Tensor<4>,
     masks: &ScoreMasks,
-    options: SoftmaxOptions,
+    options: &SoftmaxOptions,
     dropout: &Dropout,
 ) -> (Tensor<4>, Tensor<4>) {
     let [batch, n_heads, seq_q, _] = query.dims();
@@ -134,7 +153,8 @@ mod tests {
         SoftmaxOptions {
             scale: 0.5,
             custom_scale: true,
-            quiet: false,
+            softcap: None,
+            sinks: None,
         }
     }
 
@@ -144,9 +164,9 @@ mod tests {
         device.seed(1);
         let query = Tensor::<4>::random([2, 4, 3, 4], Distribution::Normal(0.0, 1.0), &device);
         let key = Tensor::<4>::random([2, 2, 5, 4], Distribution::Normal(0.0, 1.0), &device);
-        let masks = ScoreMasks::default();
-        let grouped = attention_probabilities(query.clone(), key.clone(), &masks, options());
-        let repeated = attention_probabilities(query, repeat_kv_heads(key, 4), &masks, options());
+        let masks = ScoreMasks::none(5);
+        let grouped = attention_probabilities(query.clone(), key.clone(), &masks, &options());
+        let repeated = attention_probabilities(query, repeat_kv_heads(key, 4), &masks, &options());
         grouped
             .into_data()
             .assert_approx_eq::<f32>(&repeated.into_data(), Tolerance::absolute(1e-6));
@@ -173,6 +193,7 @@ mod tests {
         probabilities.assert_approx_eq::<f32>(&expected.into(), Tolerance::absolute(1e-6));
     }
 
+    /// The quiet softmax is a sink of logit 0: `exp(x_i) / (1 + Σ_j exp(x_j))`.
     #[test]
     fn quiet_softmax_leaves_room_for_attending_to_nothing() {
         let device = Device::flex();
@@ -184,8 +205,21 @@ mod tests {
             ]]],
             &device,
         );
-        let probabilities = quiet_softmax_last_dim(scores).into_data();
+        let probabilities = softmax_with_sinks(scores, Tensor::zeros([1], &device)).into_data();
         let expected = [[[[1.0 / 3.0, 1.0 / 3.0], [0.0, 0.0], [0.5, 0.5]]]];
+        probabilities.assert_approx_eq::<f32>(&expected.into(), Tolerance::absolute(1e-6));
+    }
+
+    /// A sink logit takes its share of every row: with sink `s`, `p_i = exp(x_i) / (exp(s) +
+    /// Σ exp(x_j))`, per head.
+    #[test]
+    fn sinks_take_their_share_per_head() {
+        let device = Device::flex();
+        let scores = Tensor::<4>::from_data([[[[0.0, 1.0]], [[2.0, 2.0]]]], &device);
+        let sinks = Tensor::<1>::from_data([1.0, f32::NEG_INFINITY], &device);
+        let probabilities = softmax_with_sinks(scores, sinks).into_data();
+        let e = 1.0f32.exp();
+        let expected = [[[[1.0 / (e + 1.0 + e), e / (e + 1.0 + e)]], [[0.5, 0.5]]]];
         probabilities.assert_approx_eq::<f32>(&expected.into(), Tolerance::absolute(1e-6));
     }
 }

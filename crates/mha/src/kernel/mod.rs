@@ -10,18 +10,22 @@ mod fused;
 use burn::tensor::{DType, Tensor};
 
 pub(crate) use chunked::chunked_attention;
-pub(crate) use explicit::explicit_attention;
+pub(crate) use explicit::{explicit_attention, soft_cap};
 pub(crate) use fused::fused_attention;
 
 /// How the scores are turned into probabilities.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub(crate) struct SoftmaxOptions {
     pub scale: f64,
     /// `scale` was given by the caller rather than being `1/sqrt(head_dim)`. The fused op is
     /// told only a custom scale, which keeps CubeCL backends on their flash kernel (they fall
     /// back on any scale).
     pub custom_scale: bool,
-    pub quiet: bool,
+    /// Scores become `softcap · tanh(score / softcap)` after scaling, before masks and biases.
+    pub softcap: Option<f64>,
+    /// One more logit per query head in every softmax's denominator, `[n_heads]`: learned
+    /// attention sinks, or zeros for the quiet softmax.
+    pub sinks: Option<Tensor<1>>,
 }
 
 /// `[batch, n_kv_heads, seq, d]` → `[batch, n_heads, seq, d]`, query head `i` reading key/value

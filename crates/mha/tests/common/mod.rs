@@ -87,8 +87,15 @@ impl Fixture {
             .with_d_value_input(self.arg_usize("vdim"))
             .with_bias(self.arg_bool("bias"))
             .with_add_bias_kv(self.arg_bool("add_bias_kv"))
-            .with_add_zero_attn(self.arg_bool("add_zero_attn"));
+            .with_add_zero_attn(self.arg_bool("add_zero_attn"))
+            .with_window(self.arg_usize("window"))
+            .with_softcap(self.json["args"]["softcap"].as_f64())
+            .with_alibi(self.json["args"]["alibi"].as_bool().unwrap_or(false))
+            .with_attention_sinks(self.state("sinks").is_some());
         let mut module = config.init(device);
+        if let Some(sinks) = self.state("sinks") {
+            module.sinks = Some(Param::from_tensor(float_tensor(sinks, device)));
+        }
 
         // PyTorch stores [out, in]; Burn's Linear holds [in, out].
         let weights: [Tensor<2>; 3] = match self.state("in_proj_weight") {
@@ -258,6 +265,19 @@ pub fn reference_attention(
         })
         .collect();
     module.output.forward(Tensor::cat(outputs, 2))
+}
+
+/// `to` with `from`'s four projections (the same sizes): a module that differs from `from` only
+/// in its configuration's switches (a window, say), for comparing the two.
+pub fn with_projections_of(
+    mut to: MultiHeadAttention,
+    from: &MultiHeadAttention,
+) -> MultiHeadAttention {
+    to.query = from.query.clone();
+    to.key = from.key.clone();
+    to.value = from.value.clone();
+    to.output = from.output.clone();
+    to
 }
 
 /// What `run` returned, or the message it panicked with.
