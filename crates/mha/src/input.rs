@@ -138,6 +138,12 @@ fn rank4_dims<const D: usize>(dims: [usize; D]) -> [usize; 4] {
     }
 }
 
+impl IntoAttnMask for AttnMask {
+    fn into_attn_mask(self) -> AttnMask {
+        self
+    }
+}
+
 impl<const D: usize> IntoAttnMask for Tensor<D, Bool> {
     fn into_attn_mask(self) -> AttnMask {
         let dims = rank4_dims(self.dims());

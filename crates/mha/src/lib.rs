@@ -44,6 +44,7 @@
 #![deny(clippy::undocumented_unsafe_blocks)]
 
 mod alibi;
+pub mod burn_nn;
 mod cache;
 mod config;
 mod decoding;
@@ -59,6 +60,7 @@ mod module;
 mod rotary;
 mod rules;
 mod shape;
+pub mod transformer;
 
 pub use alibi::alibi_slopes;
 pub use cache::{CacheError, CacheLimit, CacheOwner, CacheStorage, CrossAttentionCache, KvCache};

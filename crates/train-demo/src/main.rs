@@ -106,7 +106,7 @@ struct TrainArgs {
     vocab: Option<usize>,
     #[arg(long, default_value_t = 42)]
     seed: u64,
-    /// Output folder (default runs/<task>-<timestamp>).
+    /// Output folder (default runs/TASK-TIMESTAMP).
     #[arg(long)]
     out: Option<PathBuf>,
     /// Continue the run in --out from its checkpoint.
