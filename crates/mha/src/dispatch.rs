@@ -56,6 +56,7 @@ pub(crate) struct KernelRequest<'a> {
 pub(crate) fn choose_kernel(request: &KernelRequest) -> Kernel {
     let explicit_only = explicit_only_reason(request);
     let flash_blocker = explicit_only.or_else(|| flash_blocker(request));
+    let without_weights = explicit_only.or_else(|| weights_reason(request));
     let forced = |kernel: Kernel, name: &str, reason: Option<&str>| match reason {
         None => kernel,
         Some(reason) => panic!(
@@ -68,7 +69,7 @@ pub(crate) fn choose_kernel(request: &KernelRequest) -> Kernel {
         AttentionPath::Fused => forced(
             Kernel::Fused,
             "AttentionPath::Fused",
-            explicit_only.or(request
+            without_weights.or(request
                 .sinks
                 .then_some("the softmax has a sink (attention sinks or the quiet softmax)")),
         ),
@@ -77,7 +78,7 @@ pub(crate) fn choose_kernel(request: &KernelRequest) -> Kernel {
             forced(
                 Kernel::Chunked(blocks),
                 "AttentionPath::Chunked",
-                explicit_only,
+                without_weights,
             )
         }
         AttentionPath::Flash(blocks) => {
@@ -87,7 +88,8 @@ pub(crate) fn choose_kernel(request: &KernelRequest) -> Kernel {
         AttentionPath::Auto if explicit_only.is_some() => Kernel::Explicit,
         // Where the flash kernel runs natively on the backend's storage (`flash/cpu.rs`) it
         // beats every other path at every size measured, inference and training, on flex and on
-        // ndarray (`cargo bench --workspace --bench table`).
+        // ndarray, and writes the weights for inference as it goes (`cargo bench --workspace
+        // --bench table`).
         AttentionPath::Auto
             if flash_blocker.is_none()
                 && flash_kernel(request.device) == Some(FlashKernel::Native) =>
@@ -105,6 +107,9 @@ pub(crate) fn choose_kernel(request: &KernelRequest) -> Kernel {
         // and uses the one-op softmax: 400 ms against 485 ms for a forward + backward at batch
         // 4, 512 tokens, d_model 512, 8 heads on flex (`cargo bench --workspace --bench table`).
         AttentionPath::Auto if request.device.is_autodiff() => Kernel::Explicit,
+        // The generic body would recompute every score block for the weights, several launches
+        // each, where the explicit path is three ops.
+        AttentionPath::Auto if request.need_weights != NeedWeights::No => Kernel::Explicit,
         AttentionPath::Auto
             if request.score_elements > CHUNKED_THRESHOLD && !runs_on_flex(request.device) =>
         {
@@ -118,13 +123,21 @@ pub(crate) fn choose_kernel(request: &KernelRequest) -> Kernel {
 
 /// Why only the explicit path can run the request, if it must.
 fn explicit_only_reason(request: &KernelRequest) -> Option<&'static str> {
-    if request.need_weights != NeedWeights::No {
-        Some("attention weights are requested")
-    } else if request.dropout_active {
+    if request.dropout_active {
         Some("dropout is active")
+    } else if request.need_weights != NeedWeights::No && request.device.is_autodiff() {
+        // The flash op's weights carry no gradient.
+        Some(
+            "attention weights are requested on an autodiff device (they take part in the gradient)",
+        )
     } else {
         None
     }
+}
+
+/// Why the fused and chunked paths, which return no weights, cannot run the request.
+fn weights_reason(request: &KernelRequest) -> Option<&'static str> {
+    (request.need_weights != NeedWeights::No).then_some("attention weights are requested")
 }
 
 /// Why the flash kernel cannot run the request (besides [`explicit_only_reason`]), if it cannot.
@@ -216,6 +229,36 @@ mod tests {
             ..base
         };
         assert_eq!(choose_kernel(&mask_needs_grad), Kernel::Explicit);
+    }
+
+    #[test]
+    fn weights_for_inference_come_from_the_native_flash_kernel() {
+        #[allow(deprecated)]
+        let ndarray = Device::ndarray();
+        for device in [Device::flex(), ndarray] {
+            for need_weights in [NeedWeights::PerHead, NeedWeights::Averaged] {
+                let case = KernelRequest {
+                    need_weights,
+                    ..request(&device)
+                };
+                assert_eq!(
+                    choose_kernel(&case),
+                    Kernel::Flash(BlockSizes::default()),
+                    "{case:?}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "attention weights are requested on an autodiff device")]
+    fn forced_flash_with_weights_is_refused_under_autodiff() {
+        let device = Device::flex().autodiff();
+        choose_kernel(&KernelRequest {
+            path: AttentionPath::Flash(BlockSizes::default()),
+            need_weights: NeedWeights::PerHead,
+            ..request(&device)
+        });
     }
 
     #[test]

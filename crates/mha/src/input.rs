@@ -23,19 +23,21 @@ pub enum NeedWeights {
 pub enum AttentionPath {
     /// Let the module choose (the default), in this order:
     ///
-    /// 1. **Explicit** when the weights are requested or dropout is active (training mode on an
-    ///    autodiff device): only the explicit path can do those.
+    /// 1. **Explicit** when dropout is active (training mode on an autodiff device), or when
+    ///    the weights are requested on an autodiff device (they take part in the gradient there):
+    ///    only the explicit path can do those.
     /// 2. **Flash** where it runs natively (flex and ndarray, with this crate's features of
     ///    those names), for inference and training, unless a float attention mask requires a
     ///    gradient (the flash op treats masks as constants). It is the fastest path at every size
-    ///    measured there and keeps training memory `O(seq)`.
+    ///    measured there, keeps training memory `O(seq)`, and for inference writes the weights
+    ///    when they are requested, as it finds each block's probabilities.
     /// 3. **Flash** on an autodiff device of the other backends it runs on (the CubeCL ones, see
     ///    [`flash_attention_supported`](crate::flash_attention_supported); its generic body
     ///    there), under the same condition: training memory `O(seq)`.
     /// 4. Elsewhere, on an autodiff device: **Explicit** (Burn's autodiff runs its fused op as a
     ///    decomposed fallback that is slower than the explicit path).
-    /// 5. For inference: **Chunked** above [`CHUNKED_THRESHOLD`](crate::CHUNKED_THRESHOLD)
-    ///    score elements on a backend other than flex (whose fused op is tiled already), else
+    /// 5. For inference: **Explicit** when the weights are requested; else **Chunked** above
+    ///    [`CHUNKED_THRESHOLD`](crate::CHUNKED_THRESHOLD) score elements on a backend other than flex (whose fused op is tiled already), else
     ///    **Fused** (a single flash kernel on the CubeCL backends), unless the softmax has a
     ///    sink logit (attention sinks, the quiet softmax), which only the other paths take:
     ///    then **Explicit**.
@@ -56,8 +58,9 @@ pub enum AttentionPath {
     /// The blocked computation as one autodiff op whose backward recomputes each score block
     /// from the saved softmax statistics (FlashAttention-2): training memory stays `O(seq)`. Runs
     /// on the backends [`flash_attention_supported`](crate::flash_attention_supported) accepts;
-    /// a float attention mask gets no gradient through it. Cannot return weights or apply
-    /// dropout. See [`BlockSizes`] for how its native CPU kernel reads the sizes.
+    /// a float attention mask gets no gradient through it. Cannot apply dropout; returns
+    /// weights for inference only (on a device without autodiff), since they carry no gradient.
+    /// See [`BlockSizes`] for how its native CPU kernel reads the sizes.
     Flash(BlockSizes),
 }
 

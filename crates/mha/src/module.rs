@@ -8,7 +8,7 @@ use burn::tensor::Tensor;
 
 use crate::cache::CacheOwner;
 use crate::dispatch::{Kernel, KernelRequest, choose_kernel, runs_on_flex};
-use crate::flash::flash_attention;
+use crate::flash::{flash_attention, flash_attention_with_weights};
 use crate::geometry::Geometry;
 use crate::input::{AttentionPath, AttentionWeights, MhaInput, MhaOutput, NeedWeights};
 use crate::kernel::{SoftmaxOptions, chunked_attention, explicit_attention, fused_attention};
@@ -441,6 +441,11 @@ impl MultiHeadAttention {
                 chunked_attention(query, key, value, &masks, &options, blocks),
                 None,
             ),
+            Kernel::Flash(blocks) if plan.need_weights != NeedWeights::No => {
+                let (context, weights) =
+                    flash_attention_with_weights(query, key, value, &masks, &options, blocks);
+                (context, Some(weights))
+            }
             Kernel::Flash(blocks) => (
                 flash_attention(query, key, value, &masks, &options, blocks),
                 None,

@@ -283,9 +283,61 @@ impl Instance {
         let query = self.query.clone().cast(dtype).detach().require_grad();
         let memory =
             (!case.self_attention).then(|| self.memory.clone().cast(dtype).detach().require_grad());
-        let mut input = match &memory {
-            Some(memory) => MhaInput::new(query.clone(), memory.clone(), memory.clone()),
-            None => MhaInput::self_attn(query.clone()),
+        let input = self.input(case, query.clone(), memory.clone());
+        let context = module.forward(input.path(path)).context;
+        let weights = Rng(case.seed ^ 0x5A5A).tensor(context.dims(), 1.0, &context.device());
+        let grads = (context.clone() * weights.cast(dtype)).sum().backward();
+        let vector = |tensor: Tensor<3>| tensor.into_data().try_into_vec_as::<f32>().unwrap();
+        let mut named = vec![
+            ("context".to_string(), vector(context.inner())),
+            ("d query".to_string(), vector(gradient(&query, &grads))),
+        ];
+        if let Some(memory) = &memory {
+            named.push(("d memory".to_string(), vector(gradient(memory, &grads))));
+        }
+        named.extend(self.parameter_gradients(module, &grads));
+        named
+    }
+
+    /// The context and the weights (per head, then averaged) of an inference forward through
+    /// `path`, computed in `dtype` by `module`, flattened (as f32) and named.
+    fn run_inference(
+        &self,
+        case: &Case,
+        module: &MultiHeadAttention,
+        dtype: FloatDType,
+        path: AttentionPath,
+    ) -> Vec<(String, Vec<f32>)> {
+        let query = self.query.clone().cast(dtype);
+        let memory = (!case.self_attention).then(|| self.memory.clone().cast(dtype));
+        let input = self.input(case, query, memory).path(path);
+        let flat = |tensor: Tensor<3>| tensor.into_data().try_into_vec_as::<f32>().unwrap();
+        let per_head = module.forward(input.clone().need_weights(NeedWeights::PerHead));
+        let averaged = module.forward(input.need_weights(NeedWeights::Averaged));
+        let weights = |output: mha::MhaOutput| output.weights.expect("weights were asked for");
+        vec![
+            ("context".to_string(), flat(per_head.context.clone())),
+            (
+                "weights per head".to_string(),
+                weights(per_head)
+                    .per_head()
+                    .unwrap()
+                    .into_data()
+                    .try_into_vec_as::<f32>()
+                    .unwrap(),
+            ),
+            (
+                "averaged weights".to_string(),
+                flat(weights(averaged).averaged()),
+            ),
+        ]
+    }
+
+    /// The case's input over `query` and `memory` (self-attention without one).
+    fn input(&self, case: &Case, query: Tensor<3>, memory: Option<Tensor<3>>) -> MhaInput {
+        let mut input = match memory {
+            Some(memory) => MhaInput::new(query, memory.clone(), memory),
+            None => MhaInput::self_attn(query),
         };
         if let Some(padding) = &self.padding {
             input = input.key_padding_mask(padding.clone());
@@ -302,18 +354,17 @@ impl Instance {
                 false => input.segment_ids_cross(query_ids.clone(), key_ids.clone()),
             };
         }
-        let context = module.forward(input.path(path)).context;
-        let weights = Rng(case.seed ^ 0x5A5A).tensor(context.dims(), 1.0, &context.device());
-        let grads = (context.clone() * weights.cast(dtype)).sum().backward();
+        input
+    }
+
+    /// The gradient of every parameter of `module`, flattened (as f32) and named.
+    fn parameter_gradients(
+        &self,
+        module: &MultiHeadAttention,
+        grads: &Gradients,
+    ) -> Vec<(String, Vec<f32>)> {
         let flat = |tensor: Tensor<2>| tensor.into_data().try_into_vec_as::<f32>().unwrap();
-        let vector = |tensor: Tensor<3>| tensor.into_data().try_into_vec_as::<f32>().unwrap();
-        let mut named = vec![
-            ("context".to_string(), vector(context.inner())),
-            ("d query".to_string(), vector(gradient(&query, &grads))),
-        ];
-        if let Some(memory) = &memory {
-            named.push(("d memory".to_string(), vector(gradient(memory, &grads))));
-        }
+        let mut named = Vec::new();
         for (name, linear) in [
             ("q", &module.query),
             ("k", &module.key),
@@ -322,9 +373,9 @@ impl Instance {
         ] {
             named.push((
                 format!("d W_{name}"),
-                flat(gradient(&linear.weight.val(), &grads)),
+                flat(gradient(&linear.weight.val(), grads)),
             ));
-            let bias = gradient(&linear.bias.as_ref().unwrap().val(), &grads);
+            let bias = gradient(&linear.bias.as_ref().unwrap().val(), grads);
             named.push((
                 format!("d b_{name}"),
                 bias.into_data().try_into_vec_as().unwrap(),
@@ -336,7 +387,7 @@ impl Instance {
             ("sinks", &module.sinks),
         ] {
             if let Some(parameter) = parameter {
-                let grad = gradient(&parameter.val(), &grads);
+                let grad = gradient(&parameter.val(), grads);
                 named.push((
                     format!("d {name}"),
                     grad.into_data().try_into_vec_as().unwrap(),
@@ -491,6 +542,50 @@ fn flash_chunked_and_explicit_paths_agree_on_random_cases() {
                     if let Err(error) = checked {
                         failures.push(format!("{name} {path:?} seed {seed}: {error}\n  {case:?}"));
                     }
+                }
+            }
+        }
+        assert!(
+            failures.is_empty(),
+            "{} failures over {} cases (replay one with MHA_RANDOM_CASE=<seed>):\n{}",
+            failures.len(),
+            cases.len(),
+            failures.join("\n")
+        );
+    }
+}
+
+/// For inference, the weights `Auto` returns (the native flash kernel writes them on flex and
+/// ndarray), per head and averaged, and the context beside them, agree with the explicit path's
+/// on the random configurations, held to the exact answer (the explicit path in f64) by the
+/// same rule as the gradients.
+#[test]
+fn inference_weights_agree_with_the_explicit_path_on_random_cases() {
+    let cases = seeds(200, 3);
+    for (name, device) in test_devices() {
+        if name == "wgpu" {
+            // As above; on wgpu `Auto` takes the explicit path for weights anyway.
+            continue;
+        }
+        let mut failures = Vec::new();
+        for &seed in &cases {
+            let case = Case::random(seed);
+            let instance = Instance::new(&case, &device);
+            let exact = instance.run_inference(
+                &case,
+                &instance.module_in(FloatDType::F64),
+                FloatDType::F64,
+                AttentionPath::Explicit,
+            );
+            let f32 = |path| instance.run_inference(&case, &instance.module, FloatDType::F32, path);
+            let explicit = f32(AttentionPath::Explicit);
+            let actual = f32(AttentionPath::Auto);
+            let scales = natural_scales(&exact, case.input_scale);
+            let compared = exact.iter().zip(&explicit).zip(&actual).zip(&scales);
+            for ((((what, exact), (_, explicit)), (_, actual)), &scale) in compared {
+                let checked = compare(what, actual, explicit, exact, scale, case.input_scale);
+                if let Err(error) = checked {
+                    failures.push(format!("{name} seed {seed}: {error}\n  {case:?}"));
                 }
             }
         }

@@ -134,6 +134,27 @@ impl CpuStorage for burn::backend::NdArray {
 ///
 /// If the inputs' shapes do not fit together ([`FlashInputs::geometry`]).
 pub(super) fn forward<B: CpuStorage>(inputs: &FlashInputs<B>) -> Option<FlashForward<B>> {
+    forward_writing_weights(inputs, false).map(|(forward, _)| forward)
+}
+
+/// The forward and the attention weights `[batch, n_heads, seq_q, seq_k]`, written as each
+/// query block's probabilities are found (no second pass over the scores); `None` for inputs
+/// it does not take.
+///
+/// # Panics
+///
+/// As [`forward`].
+pub(super) fn forward_with_weights<B: CpuStorage>(
+    inputs: &FlashInputs<B>,
+) -> Option<(FlashForward<B>, FloatTensor<B>)> {
+    let (forward, weights) = forward_writing_weights(inputs, true)?;
+    Some((forward, weights.expect("weights were asked for")))
+}
+
+fn forward_writing_weights<B: CpuStorage>(
+    inputs: &FlashInputs<B>,
+    with_weights: bool,
+) -> Option<(FlashForward<B>, Option<FloatTensor<B>>)> {
     let geometry = inputs.geometry();
     let readable = Readable::of(inputs)?;
     let kernel = Kernel::new(&readable, geometry, &inputs.params)?;
@@ -141,6 +162,7 @@ pub(super) fn forward<B: CpuStorage>(inputs: &FlashInputs<B>) -> Option<FlashFor
         batch,
         n_heads,
         seq_q,
+        seq_k,
         value_dim,
         ..
     } = geometry;
@@ -148,25 +170,51 @@ pub(super) fn forward<B: CpuStorage>(inputs: &FlashInputs<B>) -> Option<FlashFor
     let mut output = vec![0.0f32; batch * n_heads * seq_q * value_dim];
     // Per query: the score maximum and the inverse sum of exponentials.
     let mut softmax_stats = vec![0.0f32; batch * n_heads * seq_q * 2];
+    let weights_shape = [batch, n_heads, seq_q, seq_k];
+    let mut weights = vec![
+        0.0f32;
+        if with_weights {
+            weights_shape.iter().product()
+        } else {
+            0
+        }
+    ];
+    let head_weights: Vec<Option<&mut [f32]>> = match with_weights && seq_q * seq_k > 0 {
+        true => weights.chunks_mut(seq_q * seq_k).map(Some).collect(),
+        false => (0..batch * n_heads).map(|_| None).collect(),
+    };
     let shared_output = SharedBuffer::new(&mut output);
     for_each_task(
-        softmax_stats.chunks_mut(seq_q * 2).enumerate().collect(),
+        softmax_stats
+            .chunks_mut(seq_q * 2)
+            .zip(head_weights)
+            .enumerate()
+            .collect(),
         kernel.parallel(),
         ForwardScratch::default,
-        |scratch, (index, head_stats)| {
+        |scratch, (index, (head_stats, head_weights))| {
             let (b, h) = (index / n_heads, index % n_heads);
             // SAFETY: task `index` alone takes head (b, h) of the output.
             let mut head_output = unsafe { shared_output.head(output_shape, b, h) };
-            kernel.forward_head(scratch, (b, h), head_stats, &mut head_output);
+            let head = HeadOutputs {
+                stats: head_stats,
+                output: &mut head_output,
+                weights: head_weights,
+            };
+            kernel.forward_head(scratch, (b, h), head);
         },
     );
-    Some(FlashForward {
+    let device = inputs.query.device();
+    let forward = FlashForward {
         output: B::sequence_major(output, output_shape),
         softmax_stats: B::float_from_data(
             TensorData::new(softmax_stats, [batch, n_heads, seq_q, 2]),
-            &inputs.query.device(),
+            &device,
         ),
-    })
+    };
+    let weights =
+        with_weights.then(|| B::float_from_data(TensorData::new(weights, weights_shape), &device));
+    Some((forward, weights))
 }
 
 /// The backward on f32 storage; `None` for inputs it does not take.
@@ -699,6 +747,15 @@ struct Kernel<'a> {
     padding_spans: Option<Vec<Range<usize>>>,
 }
 
+/// What the forward writes for one head, or for one query block of it: softmax statistics
+/// (`[rows, 2]` flattened), output rows, and the weights (`[rows, seq_k]` flattened) when they
+/// are asked for.
+struct HeadOutputs<'s, 'm, 'b> {
+    stats: &'s mut [f32],
+    output: &'m mut MatrixMut<'b>,
+    weights: Option<&'s mut [f32]>,
+}
+
 #[derive(Default)]
 struct ForwardScratch {
     scores: Vec<f32>,
@@ -947,41 +1004,52 @@ impl<'a> Kernel<'a> {
         }
     }
 
-    /// `stats` holds the head's softmax statistics, `[seq_q, 2]` flattened.
+    /// Writes head `(b, h)`'s outputs, query block by query block.
     fn forward_head(
         &self,
         scratch: &mut ForwardScratch,
         head: (usize, usize),
-        stats: &mut [f32],
-        output: &mut MatrixMut,
+        outputs: HeadOutputs,
     ) {
+        let seq_k = self.geometry.seq_k;
+        let HeadOutputs {
+            stats,
+            output,
+            mut weights,
+        } = outputs;
         for (q_start, q_len) in self.query_blocks() {
-            self.forward_query_block(
-                scratch,
-                head,
-                (q_start, q_len),
-                &mut stats[2 * q_start..2 * (q_start + q_len)],
-                &mut output.rows(q_start, q_len),
-            );
+            let mut output_rows = output.rows(q_start, q_len);
+            let block = HeadOutputs {
+                stats: &mut stats[2 * q_start..2 * (q_start + q_len)],
+                output: &mut output_rows,
+                weights: weights
+                    .as_deref_mut()
+                    .map(|weights| &mut weights[q_start * seq_k..(q_start + q_len) * seq_k]),
+            };
+            self.forward_query_block(scratch, head, (q_start, q_len), block);
         }
     }
 
-    /// Writes one query block's output rows and softmax statistics (`[q_len, 2]`: maximum,
-    /// inverse sum).
+    /// Writes one query block's output rows, softmax statistics and, when asked for, weights.
     fn forward_query_block(
         &self,
         scratch: &mut ForwardScratch,
         head: (usize, usize),
         queries: (usize, usize),
-        stats: &mut [f32],
-        output: &mut MatrixMut,
+        outputs: HeadOutputs,
     ) {
         let (b, h) = head;
+        let HeadOutputs {
+            stats,
+            output,
+            weights,
+        } = outputs;
         let sink = self.sinks.map(|sinks| sinks[h]);
         let keys = self.key_range(b, queries);
         if keys.is_empty() {
-            // No query of the block sees a key: zero output (the buffer starts at zero), and
-            // statistics that make every recomputed probability 0 (the sink's alone is 1).
+            // No query of the block sees a key: zero output and weights (the buffers start at
+            // zero), and statistics that make every recomputed probability 0 (the sink's alone
+            // is 1).
             let row_stats = match sink {
                 Some(sink) => [sink, 1.0],
                 None => [f32::MIN, 0.0],
@@ -1005,6 +1073,19 @@ impl<'a> Kernel<'a> {
             let (max, inverse_sum) = softmax_numerators(row_scores, sink);
             inverse_sums.push(inverse_sum);
             row_stats.copy_from_slice(&[max, inverse_sum]);
+        }
+        if let Some(weights) = weights {
+            // Keys outside `keys` keep their zero weight.
+            let seq_k = self.geometry.seq_k;
+            for ((weights_row, numerators), inverse_sum) in weights
+                .chunks_exact_mut(seq_k)
+                .zip(scores.chunks_exact(width))
+                .zip(inverse_sums.iter())
+            {
+                for (weight, numerator) in weights_row[keys.clone()].iter_mut().zip(numerators) {
+                    *weight = numerator * inverse_sum;
+                }
+            }
         }
         // O = P V, then each row divided by its sum.
         let value = self

@@ -31,6 +31,39 @@ pub(super) fn forward<B: Backend>(inputs: &FlashInputs<B>) -> FlashForward<B> {
     }
 }
 
+/// The output and the attention weights `[batch, n_heads, seq_q, seq_k]`: the forward, then
+/// every score block again, normalised by the final statistics (`P = exp(S - m) / Σ`, zero for
+/// hidden keys).
+pub(super) fn forward_with_weights<B: Backend>(
+    inputs: &FlashInputs<B>,
+) -> (FloatTensor<B>, FloatTensor<B>) {
+    let FlashForward {
+        output,
+        softmax_stats,
+    } = forward(inputs);
+    let geometry = inputs.geometry();
+    let rows = blocks(geometry.seq_q, inputs.params.blocks.query)
+        .map(|queries| {
+            let block = ScoreBlock::new(inputs, geometry, queries);
+            let stats = narrow_float::<B>(softmax_stats.clone(), 2, queries.0, queries.1);
+            let max = narrow_float::<B>(stats.clone(), 3, 0, 1);
+            let inverse_sum = narrow_float::<B>(stats, 3, 1, 1);
+            let columns = blocks(geometry.seq_k, inputs.params.blocks.key)
+                .map(|keys| {
+                    let key_block = narrow_float::<B>(inputs.key.clone(), 2, keys.0, keys.1);
+                    let (scores, _) = block.scores(keys, &key_block);
+                    B::float_mul(
+                        B::float_exp(B::float_sub(scores, max.clone())),
+                        inverse_sum.clone(),
+                    )
+                })
+                .collect();
+            B::float_cat(columns, 3)
+        })
+        .collect();
+    (output, B::float_cat(rows, 2))
+}
+
 /// The output `[batch, n_heads, q_len, value_dim]` and softmax statistics
 /// `[batch, n_heads, q_len, 2]` of one query block.
 fn forward_query_block<B: Backend>(block: &ScoreBlock<B>) -> (FloatTensor<B>, FloatTensor<B>) {

@@ -23,7 +23,8 @@ use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::tensor::{BoolTensor, FloatTensor};
 use burn::backend::{
-    Autodiff, Backend, Dispatch, DispatchDevice, ExtensionType, TensorMetadata, backend_extension,
+    Autodiff, AutodiffBackend, Backend, Dispatch, DispatchDevice, ExtensionType, TensorMetadata,
+    backend_extension,
 };
 use burn::tensor::{Bool, DType, Device, FloatDType, Tensor};
 
@@ -140,12 +141,49 @@ pub(crate) trait FlashAttentionBackend: Backend {
         };
         generic::forward(&inputs).output
     }
+
+    /// [`flash_attention`](Self::flash_attention) and the attention weights
+    /// `[batch, n_heads, seq_q, seq_k]` (zero for hidden keys), for inference: neither output
+    /// takes part in a gradient.
+    ///
+    /// # Shapes
+    ///
+    /// As [`flash_attention`](Self::flash_attention).
+    ///
+    /// # Panics
+    ///
+    /// On an autodiff backend, if an input is tracked.
+    fn flash_attention_weights(
+        query: FloatTensor<Self>,
+        key: FloatTensor<Self>,
+        value: FloatTensor<Self>,
+        #[extension_type] bias: MaybeFloat<Self>,
+        #[extension_type] forbid: MaybeBool<Self>,
+        #[extension_type] sinks: MaybeFloat<Self>,
+        params: FlashParams,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let inputs = FlashInputs::<Self> {
+            query,
+            key,
+            value,
+            bias: bias.into_option(),
+            forbid: forbid.into_option(),
+            sinks: sinks.into_option(),
+            params,
+        };
+        generic::forward_with_weights(&inputs)
+    }
 }
 
 /// The forward and backward computations of a backend, generic unless overridden.
 pub(crate) trait FlashKernels: Backend {
     fn forward_kernel(inputs: &FlashInputs<Self>) -> FlashForward<Self> {
         generic::forward(inputs)
+    }
+
+    /// The output and the attention weights.
+    fn weights_kernel(inputs: &FlashInputs<Self>) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        generic::forward_with_weights(inputs)
     }
 
     fn backward_kernel(
@@ -167,6 +205,18 @@ macro_rules! native_flash_kernels {
                     return generic::forward(inputs);
                 }
                 cpu::forward(inputs).unwrap_or_else(|| generic::forward(inputs))
+            }
+
+            fn weights_kernel(
+                inputs: &FlashInputs<Self>,
+            ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+                if generic_body_forced() {
+                    return generic::forward_with_weights(inputs);
+                }
+                match cpu::forward_with_weights(inputs) {
+                    Some((forward, weights)) => (forward.output, weights),
+                    None => generic::forward_with_weights(inputs),
+                }
             }
 
             fn backward_kernel(
@@ -201,6 +251,27 @@ macro_rules! native_flash_kernels {
                     params,
                 };
                 Self::forward_kernel(&inputs).output
+            }
+
+            fn flash_attention_weights(
+                query: FloatTensor<Self>,
+                key: FloatTensor<Self>,
+                value: FloatTensor<Self>,
+                bias: MaybeFloat<Self>,
+                forbid: MaybeBool<Self>,
+                sinks: MaybeFloat<Self>,
+                params: FlashParams,
+            ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+                let inputs = FlashInputs {
+                    query,
+                    key,
+                    value,
+                    bias: bias.into_option(),
+                    forbid: forbid.into_option(),
+                    sinks: sinks.into_option(),
+                    params,
+                };
+                Self::weights_kernel(&inputs)
             }
         }
     };
@@ -289,6 +360,40 @@ impl<B: FlashKernels, C: CheckpointStrategy> FlashAttentionBackend for Autodiff<
                 record::<B, C, 4>([query, key, value, sinks], inputs)
             }
         }
+    }
+
+    fn flash_attention_weights(
+        query: FloatTensor<Self>,
+        key: FloatTensor<Self>,
+        value: FloatTensor<Self>,
+        bias: MaybeFloat<Self>,
+        forbid: MaybeBool<Self>,
+        sinks: MaybeFloat<Self>,
+        params: FlashParams,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let sinks = sinks.into_option();
+        let tracked = [Some(&query), Some(&key), Some(&value), sinks.as_ref()]
+            .into_iter()
+            .flatten()
+            .any(|tensor| tensor.is_tracked());
+        // The dispatch sends weights requests on autodiff devices to the explicit path; this
+        // guards any other caller against gradients that would silently go missing.
+        assert!(
+            !tracked,
+            "flash attention: the weights are computed for inference and cannot carry a \
+             gradient; use the explicit path when an input requires one"
+        );
+        let inputs = FlashInputs::<B> {
+            query: query.into_primitive(),
+            key: key.into_primitive(),
+            value: value.into_primitive(),
+            bias: bias.into_option().map(|bias| bias.into_primitive()),
+            forbid: forbid.into_option(),
+            sinks: sinks.map(|sinks| sinks.into_primitive()),
+            params,
+        };
+        let (output, weights) = B::weights_kernel(&inputs);
+        (Self::from_inner(output), Self::from_inner(weights))
     }
 }
 
@@ -379,47 +484,130 @@ pub(crate) fn flash_attention(
     options: &SoftmaxOptions,
     blocks: BlockSizes,
 ) -> Tensor<4> {
-    assert!(
-        flash_attention_supported(&query.device()),
-        "MultiHeadAttention: the flash kernel does not run on {:?}; enable this crate's feature \
-         for that backend or use another `AttentionPath`",
-        query.device()
-    );
-    // Half-precision inputs are computed in f32 (the softmax statistics and the sums over key
-    // and query blocks lose too much in 8 or 11 bits of mantissa) and the output is returned in
-    // their type, as mixed-precision training expects.
-    let dtype = query.dtype();
-    let widen = |tensor: Tensor<4>| match dtype {
-        DType::F16 | DType::BF16 => tensor.cast(FloatDType::F32),
-        _ => tensor,
-    };
-    let params = FlashParams {
-        scale: options.scale,
-        softcap: options.softcap,
-        rules: masks.rules.clone(),
-        blocks,
-    };
-    let computed_in = match dtype {
-        DType::F16 | DType::BF16 => DType::F32,
-        other => other,
-    };
-    let sinks = options
-        .sinks
-        .clone()
-        .map(|sinks| sinks.cast(FloatDType::from(computed_in)).into_dispatch());
+    let call = DispatchedCall::new(query, key, value, masks, options, blocks);
     let output = <Dispatch as FlashAttentionBackend>::flash_attention(
-        widen(query).into_dispatch(),
-        widen(key).into_dispatch(),
-        widen(value).into_dispatch(),
-        MaybeFloat::from_option(masks.bias.clone().map(|bias| widen(bias).into_dispatch())),
-        MaybeBool::from_option(masks.forbid.clone().map(Tensor::<4, Bool>::into_dispatch)),
-        MaybeFloat::from_option(sinks),
-        params,
+        call.query,
+        call.key,
+        call.value,
+        call.bias,
+        call.forbid,
+        call.sinks,
+        call.params,
     );
-    let output = Tensor::<4>::from_dispatch(output);
-    match output.dtype() == dtype {
-        true => output,
-        false => output.cast(FloatDType::from(dtype)),
+    call.dtype.restore(Tensor::from_dispatch(output))
+}
+
+/// The flash op's output and attention weights `[batch, n_heads, seq_q, seq_k]`, for inference
+/// (neither carries a gradient): on the native kernel the weights are written as each block's
+/// probabilities are found.
+///
+/// # Shapes
+///
+/// As [`FlashAttentionBackend::flash_attention`].
+///
+/// # Panics
+///
+/// If the device is not one [`flash_attention_supported`] accepts, or an input is tracked by
+/// autodiff.
+pub(crate) fn flash_attention_with_weights(
+    query: Tensor<4>,
+    key: Tensor<4>,
+    value: Tensor<4>,
+    masks: &ScoreMasks,
+    options: &SoftmaxOptions,
+    blocks: BlockSizes,
+) -> (Tensor<4>, Tensor<4>) {
+    let call = DispatchedCall::new(query, key, value, masks, options, blocks);
+    let (output, weights) = <Dispatch as FlashAttentionBackend>::flash_attention_weights(
+        call.query,
+        call.key,
+        call.value,
+        call.bias,
+        call.forbid,
+        call.sinks,
+        call.params,
+    );
+    (
+        call.dtype.restore(Tensor::from_dispatch(output)),
+        call.dtype.restore(Tensor::from_dispatch(weights)),
+    )
+}
+
+/// The float type a call's results are returned in.
+#[derive(Clone, Copy)]
+struct ResultType(DType);
+
+impl ResultType {
+    fn restore(self, tensor: Tensor<4>) -> Tensor<4> {
+        match tensor.dtype() == self.0 {
+            true => tensor,
+            false => tensor.cast(FloatDType::from(self.0)),
+        }
+    }
+}
+
+/// One call's arguments, checked and converted for the dispatch.
+struct DispatchedCall {
+    query: FloatTensor<Dispatch>,
+    key: FloatTensor<Dispatch>,
+    value: FloatTensor<Dispatch>,
+    bias: MaybeFloat<Dispatch>,
+    forbid: MaybeBool<Dispatch>,
+    sinks: MaybeFloat<Dispatch>,
+    params: FlashParams,
+    dtype: ResultType,
+}
+
+impl DispatchedCall {
+    fn new(
+        query: Tensor<4>,
+        key: Tensor<4>,
+        value: Tensor<4>,
+        masks: &ScoreMasks,
+        options: &SoftmaxOptions,
+        blocks: BlockSizes,
+    ) -> Self {
+        assert!(
+            flash_attention_supported(&query.device()),
+            "MultiHeadAttention: the flash kernel does not run on {:?}; enable this crate's \
+             feature for that backend or use another `AttentionPath`",
+            query.device()
+        );
+        // Half-precision inputs are computed in f32 (the softmax statistics and the sums over
+        // key and query blocks lose too much in 8 or 11 bits of mantissa) and the results are
+        // returned in their type, as mixed-precision training expects.
+        let dtype = query.dtype();
+        let computed_in = match dtype {
+            DType::F16 | DType::BF16 => DType::F32,
+            other => other,
+        };
+        let widen = |tensor: Tensor<4>| match tensor.dtype() == computed_in {
+            true => tensor,
+            false => tensor.cast(FloatDType::from(computed_in)),
+        };
+        let sinks = options
+            .sinks
+            .clone()
+            .map(|sinks| sinks.cast(FloatDType::from(computed_in)).into_dispatch());
+        Self {
+            query: widen(query).into_dispatch(),
+            key: widen(key).into_dispatch(),
+            value: widen(value).into_dispatch(),
+            bias: MaybeFloat::from_option(
+                masks.bias.clone().map(|bias| widen(bias).into_dispatch()),
+            ),
+            forbid: MaybeBool::from_option(
+                masks.forbid.clone().map(Tensor::<4, Bool>::into_dispatch),
+            ),
+            sinks: MaybeFloat::from_option(sinks),
+            params: FlashParams {
+                scale: options.scale,
+                softcap: options.softcap,
+                rules: masks.rules.clone(),
+                blocks,
+            },
+            dtype: ResultType(dtype),
+        }
     }
 }
 
@@ -773,6 +961,17 @@ mod tests {
         all
     }
 
+    /// Random q `[2, 4, seq_q, 6]`, k `[2, 2, seq_k, 6]`, v `[2, 2, seq_k, 3]` (two query heads
+    /// per key/value head) and sinks `[4]`.
+    fn grouped_heads(device: &Device, seq_q: usize, seq_k: usize) -> ([Tensor<4>; 3], Tensor<1>) {
+        let heads = [
+            normal([2, 4, seq_q, 6], device),
+            normal([2, 2, seq_k, 6], device),
+            normal([2, 2, seq_k, 3], device),
+        ];
+        (heads, normal([4], device))
+    }
+
     fn options(case: &Case, sinks: Option<Tensor<1>>) -> SoftmaxOptions {
         SoftmaxOptions {
             scale: 0.35,
@@ -795,11 +994,8 @@ mod tests {
             device.seed(31);
             // seq_q 5 with query blocks of 4: the last block is query 4 alone.
             for (seq_q, seq_k) in [(5, 7), (7, 3), (5, 5)] {
-                let (batch, n_heads, n_kv_heads) = (2, 4, 2);
-                let query = normal([batch, n_heads, seq_q, 6], &device);
-                let key = normal([batch, n_kv_heads, seq_k, 6], &device);
-                let value = normal([batch, n_kv_heads, seq_k, 3], &device);
-                let sinks = normal([n_heads], &device);
+                let (batch, n_heads) = (2, 4);
+                let ([query, key, value], sinks) = grouped_heads(&device, seq_q, seq_k);
                 let heads = [&query, &key, &value];
                 for case in cases(&device, [batch, n_heads, seq_q, seq_k]) {
                     let expected =
@@ -836,6 +1032,81 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// For inference, both bodies return the explicit path's weights beside its output on every
+    /// case: zero for hidden keys and for a row that sees no key, the sinks' share left out.
+    #[test]
+    fn both_bodies_return_the_explicit_paths_weights() {
+        let dropout = DropoutConfig::new(0.0).init();
+        for device in cpu_devices() {
+            device.seed(33);
+            for (seq_q, seq_k) in [(5, 7), (7, 3)] {
+                let (batch, n_heads) = (2, 4);
+                let ([query, key, value], sinks) = grouped_heads(&device, seq_q, seq_k);
+                for case in cases(&device, [batch, n_heads, seq_q, seq_k]) {
+                    let options = options(&case, case.sinks.then(|| sinks.clone()));
+                    let (context, weights) = explicit_attention(
+                        query.clone(),
+                        key.clone(),
+                        value.clone(),
+                        &case.masks,
+                        &options,
+                        &dropout,
+                    );
+                    let blocks = BlockSizes { query: 4, key: 2 };
+                    let flash = || {
+                        flash_attention_with_weights(
+                            query.clone(),
+                            key.clone(),
+                            value.clone(),
+                            &case.masks,
+                            &options,
+                            blocks,
+                        )
+                    };
+                    for (body, (actual_context, actual_weights)) in
+                        [("native", flash()), ("generic", with_generic_body(flash))]
+                    {
+                        for (what, actual, expected) in [
+                            ("context", actual_context, &context),
+                            ("weights", actual_weights, &weights),
+                        ] {
+                            assert_eq!(actual.dims(), expected.dims(), "{what} shape");
+                            let difference =
+                                (actual - expected.clone()).abs().max().into_scalar::<f32>();
+                            assert!(
+                                difference <= 1e-6,
+                                "{} {seq_q}x{seq_k} {body}: {what} differs by {difference}",
+                                case.label
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "the weights are computed for inference and cannot carry a gradient")]
+    fn weights_refuse_a_tracked_input() {
+        let device = Device::flex().autodiff();
+        let query = normal([1, 1, 2, 4], &device).require_grad();
+        let key = normal([1, 1, 3, 4], &device);
+        let options = SoftmaxOptions {
+            scale: 0.5,
+            custom_scale: true,
+            softcap: None,
+            sinks: None,
+        };
+        flash_attention_with_weights(
+            query,
+            key.clone(),
+            key,
+            &ScoreMasks::none(3),
+            &options,
+            BlockSizes::default(),
+        );
     }
 
     /// Half-precision inputs, through the native kernel and the generic body, against an f32

@@ -1,7 +1,7 @@
 //! The attention core in ordinary tensor operations, `softmax(q kᵀ · scale + bias) v` on split
-//! heads: the explicit path (the reference, and the only one that returns weights, applies
-//! dropout or a quiet softmax), Burn's fused op, and the chunked online-softmax path. The
-//! flash op, with its own backward, is `crate::flash`.
+//! heads: the explicit path (the reference, and the only one that applies dropout or returns
+//! weights that carry a gradient), Burn's fused op, and the chunked online-softmax path. The
+//! flash op, with its own backward (and the weights for inference), is `crate::flash`.
 
 mod chunked;
 mod explicit;
