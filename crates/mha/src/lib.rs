@@ -57,6 +57,9 @@ mod input;
 mod kernel;
 mod mask;
 mod module;
+// Names burn-ndarray's deprecated backend type, as `flash` does.
+#[allow(deprecated)]
+mod projection;
 mod rotary;
 mod rules;
 mod shape;

@@ -13,6 +13,7 @@ use crate::geometry::Geometry;
 use crate::input::{AttentionPath, AttentionWeights, MhaInput, MhaOutput, NeedWeights};
 use crate::kernel::{SoftmaxOptions, chunked_attention, explicit_attention, fused_attention};
 use crate::mask::{Positions, SegmentIds, Visibility};
+use crate::projection::native_linear;
 use crate::rotary::{Rope, RopeConfig};
 use crate::shape::check_shape;
 
@@ -456,7 +457,9 @@ impl MultiHeadAttention {
                 (context, Some(weights))
             }
         };
-        let context = self.output.forward(merge_heads(context));
+        let merged = merge_heads(context);
+        let context =
+            native_linear(&self.output, &merged).unwrap_or_else(|| self.output.forward(merged));
         let weights = match plan.need_weights {
             NeedWeights::No => None,
             NeedWeights::PerHead => weights.map(AttentionWeights::PerHead),
@@ -477,6 +480,9 @@ impl MultiHeadAttention {
     /// broadcast (496 ms against 400 ms for forward + backward), so training splits instead,
     /// and so does every backend but flex (see `dispatch::runs_on_flex`).
     fn project_heads(&self, x: Tensor<3>, linear: &Linear, heads: usize) -> Tensor<4> {
+        if let Some(projected) = native_linear(linear, &x) {
+            return self.split_heads(projected, heads);
+        }
         let device = x.device();
         if device.is_autodiff() || !runs_on_flex(&device) {
             return self.split_heads(linear.forward(x), heads);

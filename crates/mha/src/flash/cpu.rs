@@ -39,6 +39,9 @@ pub(crate) trait CpuStorage: Backend {
     /// A tensor of logical shape `[batch, heads, seq, dim]` over `values` laid out
     /// `[batch, seq, heads, dim]`.
     fn sequence_major(values: Vec<f32>, shape: [usize; 4]) -> FloatTensor<Self>;
+
+    /// A contiguous tensor of `shape` over `values`, without a copy.
+    fn contiguous(values: Vec<f32>, shape: [usize; 4]) -> FloatTensor<Self>;
 }
 
 #[cfg(feature = "flex")]
@@ -73,6 +76,15 @@ impl CpuStorage for burn::backend::Flex {
         FlexTensor::new(
             burn::backend::Bytes::from_elems(values),
             Layout::new(burn::backend::Shape::new(shape), strides.to_vec(), 0),
+            DType::F32,
+        )
+    }
+
+    fn contiguous(values: Vec<f32>, shape: [usize; 4]) -> FloatTensor<Self> {
+        use burn::backend::flex::{FlexTensor, Layout};
+        FlexTensor::new(
+            burn::backend::Bytes::from_elems(values),
+            Layout::contiguous(burn::backend::Shape::new(shape)),
             DType::F32,
         )
     }
@@ -123,6 +135,14 @@ impl CpuStorage for burn::backend::NdArray {
         let strides = [seq * heads * dim, dim, heads * dim, 1];
         let array = ArcArray::from_shape_vec(IxDyn(&shape).strides(IxDyn(&strides)), values)
             .expect("sequence-major strides fit the buffer");
+        NdArrayTensor::from(array)
+    }
+
+    fn contiguous(values: Vec<f32>, shape: [usize; 4]) -> FloatTensor<Self> {
+        use burn::backend::ndarray::NdArrayTensor;
+        use ndarray::{ArcArray, IxDyn};
+        let array =
+            ArcArray::from_shape_vec(IxDyn(&shape), values).expect("the shape fits the buffer");
         NdArrayTensor::from(array)
     }
 }
@@ -215,6 +235,48 @@ fn forward_writing_weights<B: CpuStorage>(
     let weights =
         with_weights.then(|| B::float_from_data(TensorData::new(weights, weights_shape), &device));
     Some((forward, weights))
+}
+
+/// `x · weight + bias` on f32 storage (`[1, 1, rows, d_input]` by `[1, 1, d_input, d_output]`,
+/// bias `[1, 1, 1, d_output]`): the bias written into each output row, the product accumulated
+/// onto it by one GEMM on rayon's threads; `None` for inputs it does not take.
+///
+/// # Panics
+///
+/// If the shapes do not fit a product.
+pub(crate) fn project<B: CpuStorage>(
+    x: &FloatTensor<B>,
+    weight: &FloatTensor<B>,
+    bias: Option<&FloatTensor<B>>,
+) -> Option<FloatTensor<B>> {
+    let [x, weight] = [B::readable(x)?, B::readable(weight)?];
+    let bias = match bias {
+        Some(bias) => Some(B::readable(bias)?),
+        None => None,
+    };
+    let lhs = HeadsView::of::<B>(&x)?.head(0, 0);
+    let rhs = HeadsView::of::<B>(&weight)?.head(0, 0);
+    let (rows, columns) = (lhs.rows, rhs.columns);
+    let mut output = vec![0.0f32; rows * columns];
+    if let Some(bias) = &bias {
+        let bias = HeadsView::of::<B>(bias)?.row(0, 0, 0);
+        assert_eq!(
+            bias.len(),
+            columns,
+            "projection: a bias of {} for {columns} outputs",
+            bias.len()
+        );
+        for row in output.chunks_exact_mut(columns) {
+            row.copy_from_slice(bias);
+        }
+    }
+    let mut product = MatrixMut::from_slice(&mut output, rows, columns, columns);
+    let parallelism = match rows * columns * lhs.columns >= 1 << 21 {
+        true => gemm::Parallelism::Rayon(0),
+        false => gemm::Parallelism::None,
+    };
+    gemm_with(&mut product, bias.is_some(), lhs, rhs, 1.0, parallelism);
+    Some(B::contiguous(output, [1, 1, rows, columns]))
 }
 
 /// The backward on f32 storage; `None` for inputs it does not take.
@@ -676,6 +738,18 @@ impl<'a> SharedBuffer<'a> {
 ///
 /// If the three matrices' sizes do not fit a product.
 fn gemm(dst: &mut MatrixMut, accumulate: bool, lhs: Matrix, rhs: Matrix, beta: f32) {
+    gemm_with(dst, accumulate, lhs, rhs, beta, gemm::Parallelism::None);
+}
+
+/// [`gemm`] on `parallelism`'s threads.
+fn gemm_with(
+    dst: &mut MatrixMut,
+    accumulate: bool,
+    lhs: Matrix,
+    rhs: Matrix,
+    beta: f32,
+    parallelism: gemm::Parallelism,
+) {
     assert!(
         lhs.rows == dst.rows && rhs.columns == dst.columns && lhs.columns == rhs.rows,
         "flash attention: a {}x{} by {}x{} product into {}x{}",
@@ -711,7 +785,7 @@ fn gemm(dst: &mut MatrixMut, accumulate: bool, lhs: Matrix, rhs: Matrix, beta: f
             false,
             false,
             false,
-            gemm::Parallelism::None,
+            parallelism,
         );
     }
 }

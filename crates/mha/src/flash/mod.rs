@@ -36,6 +36,8 @@ use crate::rules::ScoreRules;
 
 #[cfg(any(feature = "flex", feature = "ndarray"))]
 mod cpu;
+#[cfg(any(feature = "flex", feature = "ndarray"))]
+pub(crate) use cpu::project as cpu_project;
 mod generic;
 #[cfg(any(feature = "flex", feature = "ndarray"))]
 mod simd;
@@ -73,11 +75,11 @@ pub enum MaybeBool<B: Backend> {
 }
 
 impl<B: Backend> MaybeFloat<B> {
-    fn from_option(tensor: Option<FloatTensor<B>>) -> Self {
+    pub(crate) fn from_option(tensor: Option<FloatTensor<B>>) -> Self {
         tensor.map_or(Self::None, Self::Some)
     }
 
-    fn into_option(self) -> Option<FloatTensor<B>> {
+    pub(crate) fn into_option(self) -> Option<FloatTensor<B>> {
         match self {
             Self::Some(tensor) => Some(tensor),
             Self::None => None,
