@@ -159,7 +159,10 @@ pub struct KvCache {
 // The int8 variant holds two tensors; the enum lives in a cache, two per layer, never in bulk.
 #[allow(clippy::large_enum_variant)]
 enum Stored {
-    Float(Tensor<4>),
+    /// Positions `0..len` of `buffer`, whose axis 2 has room for more: appending writes into
+    /// the spare positions in place (a uniquely held buffer on flex), so that a decoding step
+    /// copies only its own keys, not the whole cache, until the buffer doubles.
+    Float { buffer: Tensor<4>, len: usize },
     /// Values in i8 and one scale per position and head, `[batch, heads, stored, 1]`.
     Int8 {
         values: Tensor<4, Int>,
@@ -170,7 +173,10 @@ enum Stored {
 impl Stored {
     fn new(tensor: Tensor<4>, storage: CacheStorage) -> Self {
         match storage {
-            CacheStorage::Float => Self::Float(tensor),
+            CacheStorage::Float => Self::Float {
+                len: tensor.dims()[2],
+                buffer: tensor,
+            },
             CacheStorage::Int8 => {
                 let tensor = tensor.detach();
                 let scales = tensor
@@ -190,31 +196,69 @@ impl Stored {
 
     fn len(&self) -> usize {
         match self {
-            Self::Float(tensor) => tensor.dims()[2],
+            Self::Float { len, .. } => *len,
             Self::Int8 { scales, .. } => scales.dims()[2],
         }
     }
 
     fn batch(&self) -> usize {
         match self {
-            Self::Float(tensor) => tensor.dims()[0],
+            Self::Float { buffer, .. } => buffer.dims()[0],
             Self::Int8 { scales, .. } => scales.dims()[0],
         }
+    }
+
+    /// Whether the positions are stored as floats of `dtype` (what [`Stored::read`] returns
+    /// without a conversion).
+    fn is_float_in(&self, dtype: DType) -> bool {
+        matches!(self, Self::Float { buffer, .. } if buffer.dtype() == dtype)
     }
 
     /// The stored positions as floats, in `dtype`.
     fn read(&self, dtype: DType) -> Tensor<4> {
         match self {
-            Self::Float(tensor) => tensor.clone(),
+            Self::Float { buffer, len } => match buffer.dims()[2] == *len {
+                true => buffer.clone(),
+                false => buffer.clone().narrow(2, 0, *len),
+            },
             Self::Int8 { values, scales } => {
                 values.clone().cast(FloatDType::from(dtype)) * scales.clone().cast(dtype)
             }
         }
     }
 
-    fn cat(self, other: Self) -> Self {
+    /// These positions, then `other`'s. A float buffer that must grow keeps room for up to as
+    /// many positions again, but never more than `max_positions` in all.
+    fn cat(self, other: Self, max_positions: usize) -> Self {
         match (self, other) {
-            (Self::Float(a), Self::Float(b)) => Self::Float(Tensor::cat(vec![a, b], 2)),
+            (
+                Self::Float { buffer, len },
+                Self::Float {
+                    buffer: new,
+                    len: new_len,
+                },
+            ) => {
+                let new = new.narrow(2, 0, new_len);
+                let [batch, heads, capacity, dim] = buffer.dims();
+                let total = len + new_len;
+                if total <= capacity {
+                    let buffer = buffer.slice_assign([0..batch, 0..heads, len..total, 0..dim], new);
+                    return Self::Float { buffer, len: total };
+                }
+                let spare = (2 * capacity).min(max_positions).max(total) - total;
+                let mut parts = vec![buffer.narrow(2, 0, len), new];
+                if spare > 0 {
+                    let zeros = Tensor::zeros(
+                        [batch, heads, spare, dim],
+                        (&parts[0].device(), parts[0].dtype()),
+                    );
+                    parts.push(zeros);
+                }
+                Self::Float {
+                    buffer: Tensor::cat(parts, 2),
+                    len: total,
+                }
+            }
             (
                 Self::Int8 { values, scales },
                 Self::Int8 {
@@ -241,7 +285,13 @@ impl Stored {
             )
         };
         match self {
-            Self::Float(tensor) => Self::Float(pick(tensor)),
+            Self::Float { buffer, len } => {
+                let buffer = pick(buffer.narrow(2, 0, len));
+                Self::Float {
+                    len: buffer.dims()[2],
+                    buffer,
+                }
+            }
             Self::Int8 { values, scales } => Self::Int8 {
                 values: Tensor::cat(
                     ranges
@@ -259,7 +309,7 @@ impl Stored {
     fn bytes(&self) -> usize {
         let size = |dims: [usize; 4], dtype: DType| dims.iter().product::<usize>() * dtype.size();
         match self {
-            Self::Float(tensor) => size(tensor.dims(), tensor.dtype()),
+            Self::Float { buffer, .. } => size(buffer.dims(), buffer.dtype()),
             Self::Int8 { values, scales } => {
                 size(values.dims(), values.dtype()) + size(scales.dims(), scales.dtype())
             }
@@ -374,7 +424,9 @@ impl KvCache {
         self.key.as_ref().map_or(0, Stored::len)
     }
 
-    /// Bytes the stored keys and values take (padding not counted).
+    /// Bytes the key and value buffers take (padding not counted); a float cache's buffers
+    /// keep room for as many positions again as they hold at most, so that appending does not
+    /// copy the cache at every step.
     pub fn bytes(&self) -> usize {
         [&self.key, &self.value]
             .into_iter()
@@ -498,13 +550,23 @@ impl KvCache {
             step.owner
         );
         let dtype = key.dtype();
-        // What the step attends to: the stored positions as stored, its own exactly.
-        let (attended_key, attended_value) = match (&self.key, &self.value) {
-            (Some(past_key), Some(past_value)) => (
-                Tensor::cat(vec![past_key.read(dtype), key.clone()], 2),
-                Tensor::cat(vec![past_value.read(dtype), value.clone()], 2),
-            ),
-            _ => (key.clone(), value.clone()),
+        // What the step attends to: the stored positions as stored, its own exactly. Float
+        // storage in the step's type stores exactly what the step attends to, so the stored
+        // tensors serve as they are: one copy of the cache per step instead of two.
+        let exact = |stored: &Option<Stored>| {
+            stored
+                .as_ref()
+                .is_none_or(|stored| stored.is_float_in(dtype))
+        };
+        let attended = match (&self.key, &self.value) {
+            (Some(past_key), Some(past_value)) if !(exact(&self.key) && exact(&self.value)) => {
+                Some((
+                    Tensor::cat(vec![past_key.read(dtype), key.clone()], 2),
+                    Tensor::cat(vec![past_value.read(dtype), value.clone()], 2),
+                ))
+            }
+            (None, _) | (_, None) => Some((key.clone(), value.clone())),
+            _ => None,
         };
         let (new_key, new_value) = (
             Stored::new(key, self.storage),
@@ -512,10 +574,21 @@ impl KvCache {
         );
         let (key, value) = match (self.key.take(), self.value.take()) {
             (Some(past_key), Some(past_value)) => {
-                (past_key.cat(new_key), past_value.cat(new_value))
+                // Room to grow where every position is kept; a window compacts at every step.
+                let max_positions = match self.limit {
+                    CacheLimit::Unbounded => usize::MAX,
+                    CacheLimit::Fixed(capacity) => capacity,
+                    CacheLimit::SlidingWindow(_) | CacheLimit::StreamingWindow { .. } => 0,
+                };
+                (
+                    past_key.cat(new_key, max_positions),
+                    past_value.cat(new_value, max_positions),
+                )
             }
             _ => (new_key, new_value),
         };
+        let (attended_key, attended_value) =
+            attended.unwrap_or_else(|| (key.read(dtype), value.read(dtype)));
         self.seen += step.new;
         self.owner = Some(step.owner);
         let stored = key.len();

@@ -884,3 +884,39 @@ fn segment_ids_under_a_cache_are_refused_clearly() {
     });
     assert!(message.contains("`segment_ids`"), "{message}");
 }
+
+/// A float cache keeps room to append in place: it never holds more than twice the positions
+/// it stores (once past its first step), nor more than a fixed capacity allows, and its
+/// outputs stay those of the full forward (see the decoding tests above).
+#[test]
+fn float_cache_reserves_at_most_its_size_again_and_never_past_a_fixed_capacity() {
+    let device = Device::flex();
+    let module = MultiHeadAttentionConfig::new(16, 4)
+        .with_n_kv_heads(Some(2))
+        .init(&device);
+    // Keys and values of one position: batch 1, 2 heads of 4 features, f32.
+    let per_position = 2 * 2 * 4 * 4;
+    for limit in [CacheLimit::Unbounded, CacheLimit::Fixed(40)] {
+        let mut cache = KvCache::with_limit(limit);
+        for step in 0..40 {
+            let new = if step == 0 { 3 } else { 1 };
+            if cache.len() + new > 40 {
+                break;
+            }
+            module
+                .forward_cached(
+                    MhaInput::self_attn(randn([1, new, 16], &device)).causal(),
+                    &mut cache,
+                )
+                .expect("room in the cache");
+            let (held, stored) = (cache.bytes() / per_position, cache.stored());
+            assert!(
+                held >= stored && held <= 2 * stored,
+                "{limit:?}: {held} positions held for {stored} stored"
+            );
+            if let CacheLimit::Fixed(capacity) = limit {
+                assert!(held <= capacity, "{held} positions held past the capacity");
+            }
+        }
+    }
+}

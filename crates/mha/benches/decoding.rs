@@ -1,0 +1,104 @@
+//! Decoding speed against the memory-bandwidth bound: one token at a time, batch 1, with the KV
+//! cache at 512, 4096 and 16384 cached positions (d_model 512, 8 query heads, 2 key/value
+//! heads, flex), beside the bytes each step must read (the cached keys and values, and the four
+//! projection weights) and the time reading that many bytes takes at this machine's measured
+//! read bandwidth.
+//!
+//! `cargo bench --workspace --features train-demo/ndarray,train-demo/wgpu --bench decoding`
+//! (options: `--positions 512,4096,16384`, `--steps 64`).
+
+use std::time::Instant;
+
+use burn::tensor::{Device, Distribution, Tensor};
+use mha::{KvCache, MhaInput, MultiHeadAttentionConfig};
+
+const D_MODEL: usize = 512;
+const HEADS: usize = 8;
+const KV_HEADS: usize = 2;
+
+/// Bytes per second read by summing a buffer far larger than the caches, best of five.
+fn read_bandwidth() -> f64 {
+    let values = vec![1.0f32; 64 << 20];
+    let mut best = f64::INFINITY;
+    let mut total = 0.0f32;
+    for _ in 0..5 {
+        let started = Instant::now();
+        // Eight accumulators, so that the sum vectorises and is bound by memory, not latency.
+        let mut lanes = [0.0f32; 8];
+        for chunk in values.chunks_exact(8) {
+            for (lane, value) in lanes.iter_mut().zip(chunk) {
+                *lane += value;
+            }
+        }
+        total += lanes.iter().sum::<f32>();
+        best = best.min(started.elapsed().as_secs_f64());
+    }
+    assert!(total > 0.0);
+    (values.len() * 4) as f64 / best
+}
+
+fn main() {
+    let mut positions = vec![512, 4096, 16384];
+    let mut steps = 64;
+    let mut args = std::env::args().skip(1);
+    while let Some(arg) = args.next() {
+        let mut value = || args.next().expect("a value after the option");
+        match arg.as_str() {
+            "--positions" => {
+                positions = value()
+                    .split(',')
+                    .map(|n| n.parse().expect("--positions: numbers"))
+                    .collect()
+            }
+            "--steps" => steps = value().parse().expect("--steps: a number"),
+            _ => {}
+        }
+    }
+    let device = Device::flex();
+    device.seed(0);
+    let module = MultiHeadAttentionConfig::new(D_MODEL, HEADS)
+        .with_n_kv_heads(Some(KV_HEADS))
+        .init(&device);
+    let bandwidth = read_bandwidth();
+    let head_dim = D_MODEL / HEADS;
+    let weight_bytes = 4 * (2 * D_MODEL * D_MODEL + 2 * D_MODEL * KV_HEADS * head_dim);
+    println!(
+        "flex, batch 1, d_model {D_MODEL}, {HEADS} query / {KV_HEADS} key-value heads, f32; \
+         read bandwidth {:.1} GB/s (sum of a 256 MiB buffer, best of 5); median of {steps} steps\n",
+        bandwidth / 1e9
+    );
+    println!(
+        "| cached positions | ms per token | bytes a step must read | at {:.1} GB/s, ms | time / bound |",
+        bandwidth / 1e9
+    );
+    println!("|---|---|---|---|---|");
+    for &cached in &positions {
+        let mut cache = KvCache::new();
+        let prompt = Tensor::<3>::random([1, cached, D_MODEL], Distribution::Default, &device);
+        module
+            .forward_cached(MhaInput::self_attn(prompt).causal(), &mut cache)
+            .expect("an unbounded cache");
+        let token = Tensor::<3>::random([1, 1, D_MODEL], Distribution::Default, &device);
+        let mut times = Vec::with_capacity(steps);
+        for _ in 0..steps {
+            let started = Instant::now();
+            let output = module
+                .forward_cached(MhaInput::self_attn(token.clone()).causal(), &mut cache)
+                .expect("an unbounded cache");
+            output.context.into_data();
+            times.push(started.elapsed().as_secs_f64());
+        }
+        times.sort_by(f64::total_cmp);
+        let median = times[steps / 2];
+        // The keys and values of every cached position, and the projection weights.
+        let bytes = 2 * cached * KV_HEADS * head_dim * 4 + weight_bytes;
+        let bound = bytes as f64 / bandwidth;
+        println!(
+            "| {cached} | {:.3} | {:.1} MB | {:.3} | {:.1}x |",
+            median * 1e3,
+            bytes as f64 / 1e6,
+            bound * 1e3,
+            median / bound
+        );
+    }
+}
