@@ -3,7 +3,7 @@
 //! the same tokens; the cache makes each step cost O(length) instead of O(length²).
 //!
 //! ```sh
-//! cargo run --release --example causal_generation -- --device flex   # or ndarray, wgpu
+//! cargo run --release --example causal_generation -- --device flex   # or ndarray; wgpu with `--features wgpu`
 //! ```
 
 use std::time::Instant;

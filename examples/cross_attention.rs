@@ -2,7 +2,7 @@
 //! (PyTorch's kdim/vdim), with grouped-query attention (8 query heads sharing 2 key/value heads).
 //!
 //! ```sh
-//! cargo run --release --example cross_attention -- --device flex   # or ndarray, wgpu
+//! cargo run --release --example cross_attention -- --device flex   # or ndarray; wgpu with `--features wgpu`
 //! ```
 
 use burn::module::Module;

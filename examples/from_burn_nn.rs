@@ -3,7 +3,7 @@
 //! timed against burn-nn's on a training step.
 //!
 //! ```sh
-//! cargo run --release --example from_burn_nn -- --device flex   # or ndarray, wgpu
+//! cargo run --release --example from_burn_nn -- --device flex   # or ndarray; wgpu with `--features wgpu`
 //! ```
 
 use std::time::Instant;

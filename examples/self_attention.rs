@@ -1,7 +1,7 @@
 //! Self-attention with a key padding mask and a causal mask, printing per-head weights.
 //!
 //! ```sh
-//! cargo run --release --example self_attention -- --device flex   # or ndarray, wgpu
+//! cargo run --release --example self_attention -- --device flex   # or ndarray; wgpu with `--features wgpu`
 //! ```
 
 use burn::tensor::{Bool, Distribution, Tensor};

@@ -4,7 +4,7 @@
 //! projection weights) and the time reading that many bytes takes at this machine's measured
 //! read bandwidth.
 //!
-//! `cargo bench --workspace --features train-demo/ndarray,train-demo/wgpu --bench decoding`
+//! `cargo bench --workspace --features burn-mha/wgpu,train-demo/ndarray,train-demo/wgpu --bench decoding`
 //! (options: `--positions 512,4096,16384`, `--steps 64`).
 
 use std::time::Instant;

@@ -438,6 +438,8 @@ pub fn flash_attention_supported(device: &Device) -> bool {
 
 /// Which body of the flash op runs on a device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+// A build with only CPU backends (the default) or only GPU ones never makes one of the two.
+#[allow(dead_code)]
 pub(crate) enum FlashKernel {
     /// A kernel written for the backend's storage (flex, ndarray: `cpu.rs`).
     Native,

@@ -4,7 +4,7 @@
 use std::io::Write;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
-use burn::tensor::{Device, DeviceKind, Tensor};
+use burn::tensor::{Device, Tensor};
 
 /// The device names [`device_by_name`] understands.
 pub const DEVICE_NAMES: [&str; 3] = ["flex", "ndarray", "wgpu"];
@@ -17,7 +17,11 @@ pub fn device_by_name(name: &str) -> Result<Device, String> {
     match name {
         "flex" => Ok(Device::flex()),
         "ndarray" => Ok(ndarray_device()),
-        "wgpu" => Ok(Device::wgpu(DeviceKind::DefaultDevice)),
+        #[cfg(feature = "wgpu")]
+        "wgpu" => Ok(Device::wgpu(burn::tensor::DeviceKind::DefaultDevice)),
+        // The workspace root builds wgpu only when asked for (it is most of a cold build).
+        #[cfg(not(feature = "wgpu"))]
+        "wgpu" => Err("this build has no wgpu backend: add `--features wgpu`".to_string()),
         other => Err(format!(
             "unknown device `{other}`; available: {}",
             DEVICE_NAMES.join(", ")
