@@ -34,11 +34,7 @@ pub(crate) trait ProjectionBackend: Backend {
         weight: FloatTensor<Self>,
         #[extension_type] bias: MaybeFloat<Self>,
     ) -> FloatTensor<Self> {
-        let product = Self::float_matmul(x, weight);
-        match bias.into_option() {
-            Some(bias) => Self::float_add(product, bias),
-            None => product,
-        }
+        generic::<Self>(x, weight, bias.into_option())
     }
 }
 
@@ -66,7 +62,7 @@ native_projection!(burn::backend::Flex);
 #[cfg(feature = "ndarray")]
 native_projection!(burn::backend::NdArray);
 
-/// The default body, for what the native one does not take (another dtype).
+/// The default body, and what the native one falls back to for another dtype.
 #[cfg(any(feature = "flex", feature = "ndarray"))]
 fn generic<B: Backend>(
     x: FloatTensor<B>,
