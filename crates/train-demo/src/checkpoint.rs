@@ -1,21 +1,26 @@
-//! Checkpoints: model and optimizer (burnpack) and the run state (JSON), written crash-safely
-//! (see [`save`]); refused on resume when they do not match the run.
+//! Checkpoints that survive a crash, as burn-train checkpointers, and the run identity that a
+//! resumed run must match.
 //!
-//! Layout of a run folder: `checkpoints/step-N-T/` holds complete checkpoints, and the symbolic
-//! link `checkpoint` points at the latest one; everything that reads a checkpoint goes through
-//! the link.
+//! burn-train saves the model, the optimizer and the learning-rate scheduler of an epoch as
+//! three records, each through its own checkpointer. [`AtomicCheckpointer`] writes each record
+//! beside its final name, fsyncs it, renames it into place and fsyncs the folder: a file named
+//! `NAME-EPOCH.bpk` is always complete. An epoch is resumable when all three of its files
+//! exist ([`latest_complete_epoch`]); what a crash leaves (`*.partial`) is ignored and removed.
 
 use std::fs::File;
+use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use burn::module::Module;
-use burn::optim::ModuleOptimizer;
+use burn::optim::OptimizerRecord;
+use burn::optim::lr_scheduler::LrSchedulerRecord;
 use burn::store::ModuleRecord;
+use burn::tensor::Bytes;
+use burn::train::checkpoint::{Checkpoint, Checkpointer, CheckpointerError};
 use serde::{Deserialize, Serialize};
 
 use crate::model::{Transformer, TransformerConfig};
-use crate::rng::Rng;
 use crate::tasks::TaskKind;
 
 /// What a run is: a checkpoint resumes only into the same.
@@ -27,131 +32,172 @@ pub struct RunIdentity {
     pub batch_size: usize,
     pub lr: f64,
     pub steps: usize,
+    /// Optimizer steps per epoch (burn-train validates and checkpoints once per epoch).
+    pub epoch_steps: usize,
     pub seed: u64,
 }
 
-/// Where training stands.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct RunState {
-    pub identity: RunIdentity,
-    /// Optimizer steps taken.
-    pub step: usize,
-    /// The training data generator, as it is after `step` batches.
-    pub data_rng: Rng,
+impl RunIdentity {
+    /// Epochs of the whole run: its steps rounded up to whole epochs.
+    pub fn epochs(&self) -> usize {
+        self.steps.div_ceil(self.epoch_steps)
+    }
 }
 
-/// The latest complete checkpoint (a link into `checkpoints/`).
+/// The three records of an epoch, by the names burn-train's own checkpointers use.
+pub const RECORDS: [&str; 3] = ["model", "optim", "scheduler"];
+
+/// Where a run's checkpoints live.
 pub fn checkpoint_dir(out: &Path) -> PathBuf {
     out.join("checkpoint")
 }
 
-/// Where the checkpoints themselves live.
-fn store_dir(out: &Path) -> PathBuf {
-    out.join("checkpoints")
+fn record_path(directory: &Path, name: &str, epoch: usize) -> PathBuf {
+    directory.join(format!("{name}-{epoch}.bpk"))
 }
 
-/// Milliseconds to wait with a checkpoint written but not yet in place (for the crash test).
+/// Milliseconds the model checkpointer waits with a record written but not yet in place (for
+/// the crash test).
 const PAUSE_VARIABLE: &str = "TRAIN_DEMO_SAVE_PAUSE_MS";
 
-/// Writes a checkpoint so that a crash at any moment leaves the last complete one in place:
-///
-/// 1. every file is written into a new `checkpoints/step-N-T.partial/` and fsynced, then the
-///    folder itself;
-/// 2. the folder is renamed to `checkpoints/step-N-T/` (and `checkpoints/` fsynced);
-/// 3. one rename swaps the `checkpoint` link to it (and the run folder is fsynced).
-///
-/// Until step 3 `checkpoint` points at the previous checkpoint, which is removed only after
-/// it; what a crash leaves behind (a partial folder, an unlinked one) is removed by the next
-/// save.
-pub fn save(
-    out: &Path,
-    state: &RunState,
-    model: &Transformer,
-    optimizer: &ModuleOptimizer,
-) -> Result<(), String> {
-    let store = store_dir(out);
-    std::fs::create_dir_all(&store).map_err(|e| format!("{}: {e}", store.display()))?;
-    let stamp = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |elapsed| elapsed.as_nanos());
-    let name = format!("step-{:09}-{stamp}", state.step);
-    let partial = store.join(format!("{name}.partial"));
-    std::fs::create_dir_all(&partial).map_err(|e| format!("{}: {e}", partial.display()))?;
-    model
-        .clone()
-        .save_file(partial.join("model.bpk"))
-        .map_err(|e| format!("saving the model: {e}"))?;
-    optimizer
-        .save(partial.join("optimizer.bpk"))
-        .map_err(|e| format!("saving the optimizer: {e}"))?;
-    let json = serde_json::to_string_pretty(state).expect("state serializes");
-    std::fs::write(partial.join("state.json"), json)
-        .map_err(|e| format!("saving the state: {e}"))?;
-    for file in ["model.bpk", "optimizer.bpk", "state.json"] {
-        sync(&partial.join(file))?;
-    }
-    sync(&partial)?;
-    if let Some(pause) = std::env::var(PAUSE_VARIABLE)
-        .ok()
-        .and_then(|ms| ms.parse().ok())
-    {
-        eprintln!("checkpoint: step {} written, not yet in place", state.step);
-        std::thread::sleep(Duration::from_millis(pause));
-    }
-    let complete = store.join(&name);
-    rename(&partial, &complete)?;
-    sync(&store)?;
-    link_latest(out, &name)?;
-    remove_all_but(&store, &name);
-    Ok(())
+/// A burn-train checkpointer whose files are complete or absent, whenever the process dies.
+pub struct AtomicCheckpointer {
+    directory: PathBuf,
+    name: &'static str,
 }
 
-/// Points `checkpoint` at `checkpoints/<name>` with one rename (a link made beside it, renamed
-/// over it).
-fn link_latest(out: &Path, name: &str) -> Result<(), String> {
-    let link = checkpoint_dir(out);
-    let next = out.join("checkpoint.next");
-    let _ = std::fs::remove_file(&next);
-    std::os::unix::fs::symlink(Path::new("checkpoints").join(name), &next)
-        .map_err(|e| format!("{}: {e}", next.display()))?;
-    // A folder from before checkpoints were linked cannot be renamed over: move it aside.
-    if link.is_dir() && !link.is_symlink() {
-        rename(&link, &store_dir(out).join("unlinked"))?;
+impl AtomicCheckpointer {
+    pub fn new(out: &Path, name: &'static str) -> Result<Self, String> {
+        let directory = checkpoint_dir(out);
+        std::fs::create_dir_all(&directory).map_err(|e| format!("{}: {e}", directory.display()))?;
+        Ok(Self { directory, name })
     }
-    rename(&next, &link)?;
-    sync(out)
+
+    fn write(&self, epoch: usize, bytes: &[u8]) -> std::io::Result<()> {
+        let path = record_path(&self.directory, self.name, epoch);
+        let partial = path.with_extension("bpk.partial");
+        let mut file = File::create(&partial)?;
+        file.write_all(bytes)?;
+        file.sync_all()?;
+        drop(file);
+        if self.name == RECORDS[0]
+            && let Some(pause) = std::env::var(PAUSE_VARIABLE)
+                .ok()
+                .and_then(|ms| ms.parse().ok())
+        {
+            eprintln!("checkpoint: epoch {epoch} written, not yet in place");
+            std::thread::sleep(Duration::from_millis(pause));
+        }
+        std::fs::rename(&partial, &path)?;
+        File::open(&self.directory)?.sync_all()
+    }
 }
 
-/// Removes every entry of `store` but `keep`: older checkpoints, and what a crash left.
-fn remove_all_but(store: &Path, keep: &str) {
-    let Ok(entries) = std::fs::read_dir(store) else {
+impl<R: Checkpoint> Checkpointer<R> for AtomicCheckpointer {
+    fn save(&self, epoch: usize, record: R) -> Result<(), CheckpointerError> {
+        let bytes = record
+            .checkpoint_into_bytes()
+            .map_err(CheckpointerError::Record)?;
+        self.write(epoch, &bytes)
+            .map_err(CheckpointerError::IOError)?;
+        // For logs (and the crash test); on a terminal the dashboard owns the screen.
+        if !std::io::stderr().is_terminal() {
+            eprintln!("checkpoint: epoch {epoch} {} saved", self.name);
+        }
+        Ok(())
+    }
+
+    fn delete(&self, epoch: usize) -> Result<(), CheckpointerError> {
+        match std::fs::remove_file(record_path(&self.directory, self.name, epoch)) {
+            Err(error) if error.kind() != std::io::ErrorKind::NotFound => {
+                Err(CheckpointerError::IOError(error))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    fn restore(&self, epoch: usize) -> Result<R, CheckpointerError> {
+        let bytes = std::fs::read(record_path(&self.directory, self.name, epoch))
+            .map_err(CheckpointerError::IOError)?;
+        R::checkpoint_from_bytes(Bytes::from_bytes_vec(bytes)).map_err(CheckpointerError::Record)
+    }
+}
+
+/// The last epoch whose three records are all in place, if any.
+pub fn latest_complete_epoch(out: &Path) -> Option<usize> {
+    let directory = checkpoint_dir(out);
+    let entries = std::fs::read_dir(&directory).ok()?;
+    entries
+        .flatten()
+        .filter_map(|entry| {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            name.strip_prefix("model-")?
+                .strip_suffix(".bpk")?
+                .parse::<usize>()
+                .ok()
+        })
+        .filter(|&epoch| {
+            RECORDS
+                .iter()
+                .all(|name| record_path(&directory, name, epoch).is_file())
+        })
+        .max()
+}
+
+/// Removes what a crash left: records written but never renamed into place.
+pub fn remove_partial_records(out: &Path) {
+    let Ok(entries) = std::fs::read_dir(checkpoint_dir(out)) else {
         return;
     };
     for entry in entries.flatten() {
-        if entry.file_name() != keep {
-            let _ = std::fs::remove_dir_all(entry.path());
+        if entry.file_name().to_string_lossy().ends_with(".partial") {
+            let _ = std::fs::remove_file(entry.path());
         }
     }
 }
 
-fn rename(from: &Path, to: &Path) -> Result<(), String> {
-    std::fs::rename(from, to).map_err(|e| format!("{} -> {}: {e}", from.display(), to.display()))
+/// Reads every record of `epoch`, so that a corrupt one is an error before training starts
+/// (burn-train panics on a record it cannot load); returns the model with the checkpoint's
+/// weights.
+pub fn verify(out: &Path, epoch: usize, model: Transformer) -> Result<Transformer, String> {
+    let directory = checkpoint_dir(out);
+    let read = |name: &str| {
+        let path = record_path(&directory, name, epoch);
+        std::fs::read(&path)
+            .map(|bytes| (path.clone(), Bytes::from_bytes_vec(bytes)))
+            .map_err(|e| format!("checkpoint {}: {e}", path.display()))
+    };
+    let corrupt = |path: &Path, error: &dyn std::fmt::Display| {
+        format!("checkpoint {} is corrupt: {error}", path.display())
+    };
+    let (path, bytes) = read(RECORDS[0])?;
+    let record = ModuleRecord::from_bytes(bytes).map_err(|e| corrupt(&path, &e))?;
+    let model = model
+        .try_load_record(record)
+        .map_err(|e| format!("checkpoint model does not fit this model: {e}"))?;
+    let (path, bytes) = read(RECORDS[1])?;
+    OptimizerRecord::from_bytes(bytes).map_err(|e| corrupt(&path, &e))?;
+    let (path, bytes) = read(RECORDS[2])?;
+    LrSchedulerRecord::from_bytes(bytes).map_err(|e| corrupt(&path, &e))?;
+    Ok(model)
 }
 
-/// Flushes a file, or a folder's entries, to the disk.
-fn sync(path: &Path) -> Result<(), String> {
-    File::open(path)
-        .and_then(|file| file.sync_all())
-        .map_err(|e| format!("syncing {}: {e}", path.display()))
+/// Writes the run's identity (`config.json`) beside its checkpoints, crash-safely.
+pub fn save_identity(out: &Path, identity: &RunIdentity) -> Result<(), String> {
+    let path = out.join("config.json");
+    let partial = out.join("config.json.partial");
+    let json = serde_json::to_string_pretty(identity).expect("the identity serializes");
+    std::fs::write(&partial, json)
+        .and_then(|()| std::fs::rename(&partial, &path))
+        .map_err(|e| format!("{}: {e}", path.display()))
 }
 
-/// Reads the run state of a checkpoint.
-pub fn load_state(out: &Path) -> Result<RunState, String> {
-    let path = checkpoint_dir(out).join("state.json");
-    let text = std::fs::read_to_string(&path)
-        .map_err(|e| format!("no checkpoint at {}: {e}", path.display()))?;
-    serde_json::from_str(&text)
-        .map_err(|e| format!("checkpoint {} is corrupt: {e}", path.display()))
+/// Reads a run's identity.
+pub fn load_identity(out: &Path) -> Result<RunIdentity, String> {
+    let path = out.join("config.json");
+    let text =
+        std::fs::read_to_string(&path).map_err(|e| format!("no run at {}: {e}", path.display()))?;
+    serde_json::from_str(&text).map_err(|e| format!("{} is corrupt: {e}", path.display()))
 }
 
 /// What differs between the checkpoint's run and this one, field by field. The step count may
@@ -194,27 +240,49 @@ fn flatten_diff(
     }
 }
 
-/// Loads model and optimizer; an unreadable or mismatched file is an error, never a panic.
-pub fn load(
-    out: &Path,
-    model: Transformer,
-    optimizer: ModuleOptimizer,
-) -> Result<(Transformer, ModuleOptimizer), String> {
-    let dir = checkpoint_dir(out);
-    let record = ModuleRecord::load(dir.join("model.bpk")).map_err(|e| {
+/// The latest complete checkpoint's model, for `eval` and `predict`.
+pub fn load_model(out: &Path, model: Transformer) -> Result<Transformer, String> {
+    let epoch = latest_complete_epoch(out).ok_or_else(|| {
         format!(
-            "checkpoint model {} is corrupt: {e}",
-            dir.join("model.bpk").display()
+            "no complete checkpoint in {}",
+            checkpoint_dir(out).display()
         )
     })?;
-    let model = model
-        .try_load_record(record)
-        .map_err(|e| format!("checkpoint model does not fit this model: {e}"))?;
-    let optimizer = optimizer.load(dir.join("optimizer.bpk")).map_err(|e| {
-        format!(
-            "checkpoint optimizer {} is corrupt: {e}",
-            dir.join("optimizer.bpk").display()
-        )
-    })?;
-    Ok((model, optimizer))
+    verify(out, epoch, model)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn scratch(name: &str) -> PathBuf {
+        let dir =
+            std::env::temp_dir().join(format!("train-demo-ckpt-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        dir
+    }
+
+    #[test]
+    fn an_epoch_is_complete_only_with_all_three_records() {
+        let out = scratch("complete");
+        let checkpointers = RECORDS.map(|name| AtomicCheckpointer::new(&out, name).unwrap());
+        let record = || LrSchedulerRecord::new().with_scalar("step", 3.0);
+        assert_eq!(latest_complete_epoch(&out), None);
+        for checkpointer in &checkpointers {
+            Checkpointer::<LrSchedulerRecord>::save(checkpointer, 1, record()).unwrap();
+        }
+        Checkpointer::<LrSchedulerRecord>::save(&checkpointers[0], 2, record()).unwrap();
+        std::fs::write(checkpoint_dir(&out).join("optim-2.bpk.partial"), b"cut").unwrap();
+        assert_eq!(
+            latest_complete_epoch(&out),
+            Some(1),
+            "epoch 2 lacks two records"
+        );
+        remove_partial_records(&out);
+        assert!(!checkpoint_dir(&out).join("optim-2.bpk.partial").exists());
+        let restored: LrSchedulerRecord = checkpointers[2].restore(1).unwrap();
+        assert_eq!(restored.scalar::<f64>("step"), Some(3.0));
+        Checkpointer::<LrSchedulerRecord>::delete(&checkpointers[1], 1).unwrap();
+        assert_eq!(latest_complete_epoch(&out), None);
+    }
 }

@@ -7,14 +7,33 @@ use burn::tensor::{Device, Int, Tensor, TensorData};
 use crate::model::{LayerWeights, Transformer};
 use crate::tasks::{Architecture, Example, IGNORE, Task};
 
-/// A batch as the model reads it.
+/// How a task's outputs are scored: what [`predict`] needs to know of the task.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Scoring {
+    pub architecture: Architecture,
+    /// For generative tasks, the tokens generated after the prompt ([`Task::generate_len`]).
+    pub generate_len: Option<usize>,
+}
+
+impl Scoring {
+    pub fn of(task: &dyn Task) -> Self {
+        Self {
+            architecture: task.architecture(),
+            generate_len: task.generate_len(),
+        }
+    }
+}
+
+/// A batch as the model reads it, with its examples (the held-out step generates from their
+/// prompts).
 pub struct Batch {
     pub source: Option<Tensor<2, Int>>,
     pub decoder_input: Option<Tensor<2, Int>>,
     /// `[batch · seq]`, [`IGNORE`] where unscored.
     pub targets: Vec<i64>,
-    pub batch: usize,
     pub seq: usize,
+    pub examples: Vec<Example>,
+    pub scoring: Scoring,
 }
 
 fn tokens(rows: &[&Vec<usize>], device: &Device) -> Option<Tensor<2, Int>> {
@@ -33,7 +52,7 @@ fn tokens(rows: &[&Vec<usize>], device: &Device) -> Option<Tensor<2, Int>> {
 }
 
 impl Batch {
-    pub fn new(examples: &[Example], device: &Device) -> Self {
+    pub fn new(examples: &[Example], scoring: Scoring, device: &Device) -> Self {
         let sources: Vec<&Vec<usize>> = examples.iter().map(|e| &e.source).collect();
         let inputs: Vec<&Vec<usize>> = examples.iter().map(|e| &e.decoder_input).collect();
         let targets: Vec<i64> = examples
@@ -45,8 +64,9 @@ impl Batch {
             source: tokens(&sources, device),
             decoder_input: tokens(&inputs, device),
             targets,
-            batch: examples.len(),
             seq,
+            examples: examples.to_vec(),
+            scoring,
         }
     }
 
@@ -82,13 +102,13 @@ pub struct Accuracy {
 /// argmax under teacher forcing, or greedy generation for generative tasks.
 pub fn predict(
     model: &Transformer,
-    task: &dyn Task,
+    scoring: Scoring,
     examples: &[Example],
     device: &Device,
 ) -> Vec<Vec<i64>> {
-    match task.generate_len() {
+    match scoring.generate_len {
         None => {
-            let batch = Batch::new(examples, device);
+            let batch = Batch::new(examples, scoring, device);
             let predictions = argmax_last(batch.logits(model));
             examples
                 .iter()
@@ -104,7 +124,7 @@ pub fn predict(
                 })
                 .collect()
         }
-        Some(length) => generate(model, task, examples, length, device),
+        Some(length) => generate(model, scoring.architecture, examples, length, device),
     }
 }
 
@@ -122,7 +142,7 @@ fn argmax_last(logits: Tensor<3>) -> Vec<i64> {
 /// first scored position, then one new token per step.
 fn generate(
     model: &Transformer,
-    task: &dyn Task,
+    architecture: Architecture,
     examples: &[Example],
     length: usize,
     device: &Device,
@@ -136,7 +156,7 @@ fn generate(
         .iter()
         .map(|e| e.decoder_input[..=first_scored].to_vec())
         .collect();
-    let source = match task.architecture() {
+    let source = match architecture {
         Architecture::EncoderDecoder => {
             let rows: Vec<&Vec<usize>> = examples.iter().map(|e| &e.source).collect();
             tokens(&rows, device)
@@ -173,35 +193,61 @@ pub fn accuracy(
     examples: &[Example],
     device: &Device,
 ) -> Accuracy {
-    let (mut right, mut total, mut exact) = (0usize, 0usize, 0usize);
+    let mut counts = Counts::default();
     for chunk in examples.chunks(256) {
-        let predictions = predict(model, task, chunk, device);
-        for (example, predicted) in chunk.iter().zip(&predictions) {
-            let expected: Vec<i64> = example
-                .target
-                .iter()
-                .copied()
-                .filter(|&t| t != IGNORE)
-                .collect();
-            let correct = expected
-                .iter()
-                .zip(predicted)
-                .filter(|(a, b)| a == b)
-                .count();
-            right += correct;
-            total += expected.len();
-            exact += usize::from(correct == expected.len());
-        }
+        let predictions = predict(model, Scoring::of(task), chunk, device);
+        counts.add(&Counts::of(chunk, &predictions));
     }
-    Accuracy {
-        token: right as f64 / total.max(1) as f64,
-        exact: exact as f64 / examples.len().max(1) as f64,
+    counts.accuracy()
+}
+
+/// Scored tokens and examples, and how many of each were predicted right.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Counts {
+    pub tokens: usize,
+    pub right_tokens: usize,
+    pub examples: usize,
+    pub exact: usize,
+}
+
+impl Counts {
+    /// Scores `predictions` (per example, its scored positions) against the examples' targets.
+    pub fn of(examples: &[Example], predictions: &[Vec<i64>]) -> Self {
+        let mut counts = Self::default();
+        for (example, predicted) in examples.iter().zip(predictions) {
+            let expected = example.target.iter().copied().filter(|&t| t != IGNORE);
+            let scored = expected.clone().count();
+            let right = expected.zip(predicted).filter(|(a, b)| a == *b).count();
+            counts.tokens += scored;
+            counts.right_tokens += right;
+            counts.examples += 1;
+            counts.exact += usize::from(right == scored);
+        }
+        counts
+    }
+
+    pub fn add(&mut self, other: &Self) {
+        self.tokens += other.tokens;
+        self.right_tokens += other.right_tokens;
+        self.examples += other.examples;
+        self.exact += other.exact;
+    }
+
+    pub fn accuracy(&self) -> Accuracy {
+        Accuracy {
+            token: self.right_tokens as f64 / self.tokens.max(1) as f64,
+            exact: self.exact as f64 / self.examples.max(1) as f64,
+        }
     }
 }
 
 /// Per-head attention weights of every layer on one example.
 pub fn attention_maps(model: &Transformer, example: &Example, device: &Device) -> LayerWeights {
-    let batch = Batch::new(std::slice::from_ref(example), device);
+    let scoring = Scoring {
+        architecture: Architecture::Encoder,
+        generate_len: None,
+    };
+    let batch = Batch::new(std::slice::from_ref(example), scoring, device);
     let mut weights = Some(Vec::new());
     model.forward(
         batch.source.clone(),
@@ -251,7 +297,7 @@ mod tests {
                 examples.windows(2).all(|pair| pair[0] != pair[1]),
                 "{kind:?}: three different examples"
             );
-            let batch = Batch::new(&examples, &device);
+            let batch = Batch::new(&examples, Scoring::of(task.as_ref()), &device);
             let full = batch.logits(&model);
             let [_, seq, vocab] = full.dims();
             let mut state = model.start_decoding(batch.source.clone());

@@ -17,8 +17,23 @@ pub fn available() -> Vec<&'static str> {
     .collect()
 }
 
-/// The device called `name`, or an error listing the compiled-in ones.
+/// The device called `name` (`cuda:1` for a CUDA device's index), or an error listing the
+/// compiled-in ones.
 pub fn by_name(name: &str) -> Result<Device, String> {
+    let (name, index) = match name.split_once(':') {
+        Some((name, index)) => (
+            name,
+            index
+                .parse::<usize>()
+                .map_err(|_| format!("device `{name}:{index}`: the index is not a number"))?,
+        ),
+        None => (name, 0),
+    };
+    if index != 0 && name != "cuda" {
+        return Err(format!(
+            "device `{name}:{index}`: only CUDA devices take an index"
+        ));
+    }
     let device = match name {
         #[cfg(feature = "flex")]
         "flex" => Device::flex(),
@@ -31,7 +46,7 @@ pub fn by_name(name: &str) -> Result<Device, String> {
         #[cfg(feature = "metal")]
         "metal" => Device::metal(burn::tensor::DeviceKind::DefaultDevice),
         #[cfg(feature = "cuda")]
-        "cuda" => Device::cuda(0usize),
+        "cuda" => Device::cuda(index),
         other => {
             return Err(format!(
                 "device `{other}` is not compiled in; available: {} (enable others with \

@@ -4,27 +4,33 @@
 //! ```sh
 //! cargo run --release -p train-demo                       # reverse, on flex
 //! cargo run --release -p train-demo -- --task sort --no-attention
+//! cargo run --release -p train-demo -- --devices flex,flex    # burn-train's MultiDevice
 //! cargo run --release -p train-demo -- eval --out runs/reverse-…
 //! ```
 
 mod checkpoint;
 mod data;
 mod device;
+mod loader;
 mod model;
+mod renderer;
 mod report;
 mod rng;
+mod schedule;
+mod step;
+mod stopping;
 mod tasks;
 mod train;
 
 use std::path::PathBuf;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 
+use burn::train::Interrupter;
 use clap::{Args, Parser, Subcommand};
 
 use crate::checkpoint::RunIdentity;
 use crate::model::TransformerConfig;
 use crate::tasks::TaskKind;
+use crate::train::Parallelism;
 
 /// Serialises the tests that seed a device: Burn's seeded generator is shared by every test
 /// thread, so a test that draws between another's `seed` and its `init` breaks reproducibility.
@@ -77,10 +83,14 @@ struct TrainArgs {
     /// The toy task.
     #[arg(long, value_enum, default_value_t = TaskKind::Reverse)]
     task: TaskKind,
-    /// Backend: any compiled in (flex by default; see --help of the features).
-    #[arg(long, default_value = "flex")]
-    device: String,
-    /// Optimizer steps (default: the task's).
+    /// Device, or several separated by commas to train on together (`flex,flex`, or
+    /// `cuda:0,cuda:1`): any backend compiled in (flex by default).
+    #[arg(long, alias = "device", default_value = "flex")]
+    devices: String,
+    /// How several devices train together.
+    #[arg(long, value_enum, default_value_t = Parallelism::Multi)]
+    parallel: Parallelism,
+    /// Training batches (default: the task's), rounded up to whole epochs.
     #[arg(long)]
     steps: Option<usize>,
     #[arg(long)]
@@ -122,19 +132,19 @@ struct TrainArgs {
     /// (true for recall only).
     #[arg(long)]
     token_shift: Option<bool>,
-    /// Evaluate on held-out examples every N steps.
+    /// Batches per epoch: the held-out evaluation, the checkpoint and the early-stopping
+    /// check come at the end of each.
     #[arg(long, default_value_t = 100)]
     eval_every: usize,
     #[arg(long, default_value_t = 512)]
     eval_examples: usize,
-    /// Stop after N steps in this process, saving a checkpoint as Ctrl-C does.
+    /// Stop once an epoch's held-out exact match reaches this percentage (above 100: never).
+    #[arg(long, default_value_t = 100.0)]
+    target_exact: f64,
+    /// Stop after N epochs in this process (checkpointed; `--resume` continues).
     #[arg(long)]
-    stop_after: Option<usize>,
-    /// Save a checkpoint every N steps (0: only at the end and on Ctrl-C), so that a crash
-    /// loses at most N steps; `--resume` continues from the latest.
-    #[arg(long, default_value_t = 250)]
-    checkpoint_every: usize,
-    /// No progress bar.
+    stop_after_epochs: Option<usize>,
+    /// No output but the final table (no dashboard, no epoch lines).
     #[arg(long)]
     quiet: bool,
 }
@@ -182,33 +192,48 @@ fn identity(args: &TrainArgs) -> Result<RunIdentity, String> {
         batch_size: args.batch_size.unwrap_or(defaults.batch_size),
         lr: args.lr.unwrap_or(defaults.lr),
         steps: args.steps.unwrap_or(defaults.steps),
+        epoch_steps: args.eval_every.max(1),
         seed: args.seed,
     })
 }
 
+/// The devices of `--devices`; distributed data parallel only where Burn has its all-reduce.
+fn devices(args: &TrainArgs) -> Result<Vec<burn::tensor::Device>, String> {
+    let names: Vec<&str> = args.devices.split(',').map(str::trim).collect();
+    if args.parallel == Parallelism::Ddp && !names.iter().all(|name| name.starts_with("cuda")) {
+        return Err(format!(
+            "--parallel ddp needs CUDA devices (Burn 0.22's all-reduce runs on CUDA only), got \
+             {}; --parallel multi runs on any backend",
+            args.devices
+        ));
+    }
+    names.into_iter().map(device::by_name).collect()
+}
+
 fn run_training(args: TrainArgs) -> Result<(), String> {
     let identity = identity(&args)?;
-    let device = device::by_name(&args.device)?;
+    let devices = devices(&args)?;
     let out = args.out.clone().unwrap_or_else(|| {
         let stamp = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs());
         PathBuf::from("runs").join(format!("{}-{stamp}", args.task.name()))
     });
-    if !args.resume && out.join("checkpoint").exists() {
+    if !args.resume && checkpoint::latest_complete_epoch(&out).is_some() {
         return Err(format!(
             "{} already holds a run; pass --resume to continue it or choose another --out",
             out.display()
         ));
     }
-    let interrupted = Arc::new(AtomicBool::new(false));
-    let flag = interrupted.clone();
-    ctrlc::set_handler(move || flag.store(true, Ordering::SeqCst))
+    let interrupter = Interrupter::new();
+    let on_ctrl_c = interrupter.clone();
+    ctrlc::set_handler(move || on_ctrl_c.stop(Some("Ctrl-C")))
         .map_err(|e| format!("installing the Ctrl-C handler: {e}"))?;
 
     let task = args.task.build(identity.seq_len, identity.model.vocab)?;
     println!(
-        "task: {} | model: {} layer(s), d_model {}, {} head(s), {} kv head(s){} | device: {} | out: {}",
+        "task: {} | model: {} layer(s), d_model {}, {} head(s), {} kv head(s){} | devices: {} | \
+         out: {}",
         task.describe(),
         identity.model.layers,
         identity.model.d_model,
@@ -219,64 +244,61 @@ fn run_training(args: TrainArgs) -> Result<(), String> {
         } else {
             ""
         },
-        args.device,
+        args.devices,
         out.display()
     );
     let summary = train::train(
         train::TrainSettings {
             identity,
-            device,
+            devices,
+            parallelism: args.parallel,
             out: out.clone(),
             resume: args.resume,
-            stop_after: args.stop_after,
-            checkpoint_every: args.checkpoint_every,
-            eval_every: args.eval_every.max(1),
+            stop_after_epochs: args.stop_after_epochs,
+            target_exact: args.target_exact,
             eval_examples: args.eval_examples.max(1),
             quiet: args.quiet,
         },
-        interrupted,
+        interrupter,
     )?;
     if summary.interrupted {
         println!(
-            "stopped at step {}: checkpoint saved in {}; continue with --resume --out {}",
+            "stopped after epoch {} (step {}): checkpoint in {}; continue with --resume --out {}",
+            summary.epochs,
             summary.steps,
-            out.join("checkpoint").display(),
+            checkpoint::checkpoint_dir(&out).display(),
             out.display()
         );
         return Ok(());
     }
     println!(
-        "| task | steps | final loss | held-out token acc | exact match | chance | time | device |"
+        "| task | steps | epochs | final loss | held-out token acc | exact match | chance | time | \
+         devices |"
     );
-    println!("|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|");
     println!(
-        "| {} | {} | {:.4} | {:.1}% | {:.1}% | {:.1}% | {:.0} s | {} |",
+        "| {} | {} | {} | {:.4} | {:.1}% | {:.1}% | {:.1}% | {:.0} s | {} |",
         summary.task.name(),
         summary.steps,
+        summary.epochs,
         summary.final_loss,
         100.0 * summary.accuracy.token,
         100.0 * summary.accuracy.exact,
         100.0 * summary.chance,
         summary.seconds,
-        args.device
+        args.devices
     );
     println!("outputs: {}", out.display());
     Ok(())
 }
 
 fn evaluate(run: &RunArgs, predictions: Option<usize>) -> Result<(), String> {
-    let config_path = run.out.join("config.json");
-    let text = std::fs::read_to_string(&config_path)
-        .map_err(|e| format!("{}: {e}", config_path.display()))?;
-    let identity: RunIdentity = serde_json::from_str(&text)
-        .map_err(|e| format!("{} is corrupt: {e}", config_path.display()))?;
+    let identity: RunIdentity = checkpoint::load_identity(&run.out)?;
     let device = device::by_name(&run.device)?;
     let task = identity
         .task
         .build(identity.seq_len, identity.model.vocab)?;
-    let model = identity.model.init(&device);
-    let optimizer = burn::optim::AdamWConfig::new().init();
-    let (model, _) = checkpoint::load(&run.out, model, optimizer)?;
+    let model = checkpoint::load_model(&run.out, identity.model.init(&device))?;
     let examples = train::held_out(task.as_ref(), identity.seed, run.eval_examples);
     match predictions {
         Some(count) => {
@@ -298,4 +320,39 @@ fn evaluate(run: &RunArgs, predictions: Option<usize>) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn train_args(arguments: &[&str]) -> TrainArgs {
+        let cli = Cli::try_parse_from([&["train-demo"], arguments].concat()).unwrap();
+        cli.train
+    }
+
+    #[test]
+    fn devices_are_listed_and_ddp_needs_cuda() {
+        assert_eq!(
+            devices(&train_args(&["--devices", "flex, flex"]))
+                .unwrap()
+                .len(),
+            2
+        );
+        assert_eq!(
+            devices(&train_args(&["--device", "flex"])).unwrap().len(),
+            1
+        );
+        let error = devices(&train_args(&[
+            "--devices",
+            "flex,flex",
+            "--parallel",
+            "ddp",
+        ]));
+        assert!(error.unwrap_err().contains("needs CUDA devices"));
+        let error = devices(&train_args(&["--devices", "flex:1"])).unwrap_err();
+        assert!(error.contains("only CUDA devices take an index"), "{error}");
+        let error = devices(&train_args(&["--devices", "cuda:x"])).unwrap_err();
+        assert!(error.contains("the index is not a number"), "{error}");
+    }
 }

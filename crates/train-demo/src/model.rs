@@ -1,18 +1,19 @@
-//! A small pre-LayerNorm Transformer built from `mha::MultiHeadAttention`: encoder-only,
-//! decoder-only or encoder-decoder, with learned or rotary positions and, optionally, a
-//! previous-token embedding.
+//! The demo's models, built from the library's Transformer layers (`mha::transformer`), pre-norm:
+//! an encoder ([`TransformerEncoder`]), a decoder-only model (a causal [`TransformerEncoder`])
+//! or an encoder-decoder ([`TransformerDecoder`] over the encoder's output); around them the
+//! token embedding, learned or rotary positions, optionally a previous-token embedding, a final
+//! norm and the output head.
 
 use burn::config::Config;
 use burn::module::Module;
-use burn::nn::{
-    Embedding, EmbeddingConfig, Initializer, LayerNorm, LayerNormConfig, Linear, LinearConfig,
+use burn::nn::LinearConfig;
+use burn::nn::{Embedding, EmbeddingConfig, Initializer, LayerNorm, LayerNormConfig, Linear};
+use burn::tensor::{Bool, Device, Int, Tensor};
+use mha::transformer::{
+    TransformerDecoder, TransformerDecoderCache, TransformerDecoderConfig, TransformerDecoderInput,
+    TransformerEncoder, TransformerEncoderCache, TransformerEncoderConfig, TransformerEncoderInput,
 };
-use burn::tensor::activation::gelu;
-use burn::tensor::{Device, Int, Tensor};
-use mha::{
-    CrossAttentionCache, KvCache, MhaInput, MultiHeadAttention, MultiHeadAttentionConfig,
-    NeedWeights, RopeConfig,
-};
+use mha::{MhaInput, MultiHeadAttention, NeedWeights, RopeConfig};
 
 use crate::tasks::Architecture;
 
@@ -27,7 +28,9 @@ pub struct TransformerConfig {
     pub kv_heads: usize,
     /// Layers of each stack (the encoder's and the decoder's).
     pub layers: usize,
-    /// Replace every attention output with zeros (ablation).
+    /// The ablation: no information moves between positions. Every self-attention sees only
+    /// its own position (a window of 1) and every cross-attention no memory position (its
+    /// memory fully padded, so its output is zero).
     pub no_attention: bool,
     /// Rotary positions in every self-attention instead of learned position embeddings.
     pub rotary: bool,
@@ -39,140 +42,23 @@ pub struct TransformerConfig {
     pub token_shift: bool,
 }
 
-/// Self-attention (and, in a decoder of an encoder-decoder, cross-attention) then an MLP, each
-/// behind a LayerNorm and a residual connection.
-#[derive(Module, Debug)]
-pub struct Block {
-    attention_norm: LayerNorm,
-    attention: MultiHeadAttention,
-    cross_norm: Option<LayerNorm>,
-    cross_attention: Option<MultiHeadAttention>,
-    mlp_norm: LayerNorm,
-    mlp_in: Linear,
-    mlp_out: Linear,
-    causal: bool,
-    no_attention: bool,
-}
-
 /// Attention weights of one forward, for the heatmaps: `[batch, heads, seq_q, seq_k]` for each
 /// layer, labelled.
 pub type LayerWeights = Vec<(String, Tensor<4>)>;
 
-impl Block {
-    fn new(config: &TransformerConfig, causal: bool, cross: bool, device: &Device) -> Self {
-        let d = config.d_model;
-        let attention = || {
-            MultiHeadAttentionConfig::new(d, config.heads).with_n_kv_heads(Some(config.kv_heads))
-        };
-        let rope = config.rotary.then(RopeConfig::new);
-        Self {
-            attention_norm: LayerNormConfig::new(d).init(device),
-            attention: attention().with_rope(rope).init(device),
-            cross_norm: cross.then(|| LayerNormConfig::new(d).init(device)),
-            cross_attention: cross.then(|| attention().init(device)),
-            mlp_norm: LayerNormConfig::new(d).init(device),
-            mlp_in: LinearConfig::new(d, 4 * d).init(device),
-            mlp_out: LinearConfig::new(4 * d, d).init(device),
-            causal,
-            no_attention: config.no_attention,
-        }
-    }
-
-    fn attend(
-        &self,
-        attention: &MultiHeadAttention,
-        input: MhaInput,
-        label: &str,
-        weights: &mut Option<LayerWeights>,
-    ) -> Tensor<3> {
-        let need = if weights.is_some() {
-            NeedWeights::PerHead
-        } else {
-            NeedWeights::No
-        };
-        let output = attention.forward(input.need_weights(need));
-        if let (Some(store), Some(w)) = (weights.as_mut(), output.weights) {
-            store.push((label.to_string(), w.per_head().expect("per-head weights")));
-        }
-        if self.no_attention {
-            // The ablation: nothing flows between positions.
-            output.context.zeros_like()
-        } else {
-            output.context
-        }
-    }
-
-    fn forward(
-        &self,
-        x: Tensor<3>,
-        memory: Option<&Tensor<3>>,
-        label: &str,
-        weights: &mut Option<LayerWeights>,
-    ) -> Tensor<3> {
-        let normed = self.attention_norm.forward(x.clone());
-        let mut input = MhaInput::self_attn(normed);
-        if self.causal {
-            input = input.causal();
-        }
-        let x = x + self.attend(&self.attention, input, &format!("{label} self"), weights);
-        let x = match (&self.cross_attention, &self.cross_norm, memory) {
-            (Some(cross), Some(norm), Some(memory)) => {
-                let input = MhaInput::new(norm.forward(x.clone()), memory.clone(), memory.clone());
-                x.clone() + self.attend(cross, input, &format!("{label} cross"), weights)
-            }
-            _ => x,
-        };
-        let hidden = gelu(self.mlp_in.forward(self.mlp_norm.forward(x.clone())));
-        x + self.mlp_out.forward(hidden)
-    }
-}
-
-impl Block {
-    /// [`forward`](Self::forward) for the new tokens only, with this block's self-attention
-    /// cache and the memory's cross-attention cache.
-    fn forward_cached(
-        &self,
-        x: Tensor<3>,
-        cache: &mut KvCache,
-        cross: Option<&CrossAttentionCache>,
-    ) -> Tensor<3> {
-        let silence = |context: Tensor<3>| {
-            if self.no_attention {
-                context.zeros_like()
-            } else {
-                context
-            }
-        };
-        let normed = self.attention_norm.forward(x.clone());
-        let attended = self
-            .attention
-            .forward_cached(MhaInput::self_attn(normed).causal(), cache)
-            .expect("an unbounded cache accepts every step");
-        let x = x + silence(attended.context);
-        let x = match (&self.cross_attention, &self.cross_norm, cross) {
-            (Some(attention), Some(norm), Some(memory)) => {
-                let output = attention.forward_cross_cached(
-                    norm.forward(x.clone()),
-                    memory,
-                    NeedWeights::No,
-                );
-                x + silence(output.context)
-            }
-            _ => x,
-        };
-        let hidden = gelu(self.mlp_in.forward(self.mlp_norm.forward(x.clone())));
-        x + self.mlp_out.forward(hidden)
-    }
-}
-
-/// Incremental decoding: one KV cache per decoder block, the memory projected once for each
-/// cross-attention, and the next position.
+/// Incremental decoding state: the stacks' KV caches and the next position.
 pub struct DecodeState {
-    caches: Vec<KvCache>,
-    cross: Vec<Option<CrossAttentionCache>>,
+    cache: StackCache,
+    /// The encoder's output for the cross-attentions, `[batch, seq_source, d_model]`.
+    memory: Option<Tensor<3>>,
     position: usize,
     /// The last token fed, `[batch, 1]`: the previous token of the next step's first one.
     last_token: Option<Tensor<2, Int>>,
+}
+
+enum StackCache {
+    DecoderOnly(TransformerEncoderCache),
+    EncoderDecoder(TransformerDecoderCache),
 }
 
 #[derive(Module, Debug)]
@@ -181,20 +67,43 @@ pub struct Transformer {
     position_embedding: Option<Embedding>,
     /// `vocab + 1` rows: the last one stands for "no previous token".
     previous_token_embedding: Option<Embedding>,
-    encoder: Vec<Block>,
-    decoder: Vec<Block>,
+    /// Bidirectional, over the source (encoder and encoder-decoder models).
+    encoder: Option<TransformerEncoder>,
+    /// Causal, over the decoder input (decoder-only models).
+    causal_stack: Option<TransformerEncoder>,
+    /// Causal self-attention and cross-attention to the encoder's output.
+    decoder: Option<TransformerDecoder>,
     encoder_norm: Option<LayerNorm>,
     final_norm: LayerNorm,
     head: Linear,
+    no_attention: bool,
 }
 
 impl TransformerConfig {
+    fn window(&self) -> Option<usize> {
+        self.no_attention.then_some(1)
+    }
+
+    fn encoder(&self, causal: bool) -> TransformerEncoderConfig {
+        TransformerEncoderConfig::new(self.d_model, 4 * self.d_model, self.heads, self.layers)
+            .with_dropout(0.0)
+            .with_norm_first(true)
+            .with_n_kv_heads(Some(self.kv_heads))
+            .with_rope(self.rotary.then(RopeConfig::new))
+            .with_window(self.window())
+            .with_causal(causal)
+    }
+
+    fn decoder(&self) -> TransformerDecoderConfig {
+        TransformerDecoderConfig::new(self.d_model, 4 * self.d_model, self.heads, self.layers)
+            .with_dropout(0.0)
+            .with_norm_first(true)
+            .with_n_kv_heads(Some(self.kv_heads))
+            .with_rope(self.rotary.then(RopeConfig::new))
+            .with_window(self.window())
+    }
+
     pub fn init(&self, device: &Device) -> Transformer {
-        let (encoder_layers, decoder_layers, cross) = match self.architecture {
-            Architecture::Encoder => (self.layers, 0, false),
-            Architecture::Decoder => (0, self.layers, false),
-            Architecture::EncoderDecoder => (self.layers, self.layers, true),
-        };
         let embedding = |n| {
             EmbeddingConfig::new(n, self.d_model)
                 .with_initializer(Initializer::Normal {
@@ -203,28 +112,32 @@ impl TransformerConfig {
                 })
                 .init(device)
         };
+        let (encoder, causal_stack, decoder) = match self.architecture {
+            Architecture::Encoder => (Some(self.encoder(false).init(device)), None, None),
+            Architecture::Decoder => (None, Some(self.encoder(true).init(device)), None),
+            Architecture::EncoderDecoder => (
+                Some(self.encoder(false).init(device)),
+                None,
+                Some(self.decoder().init(device)),
+            ),
+        };
+        let cross = decoder.is_some();
         Transformer {
             token_embedding: embedding(self.vocab),
             position_embedding: (!self.rotary).then(|| embedding(self.max_len)),
             previous_token_embedding: self.token_shift.then(|| embedding(self.vocab + 1)),
-            encoder: (0..encoder_layers)
-                .map(|_| Block::new(self, false, false, device))
-                .collect(),
-            decoder: (0..decoder_layers)
-                .map(|_| Block::new(self, true, cross, device))
-                .collect(),
+            encoder,
+            causal_stack,
+            decoder,
             encoder_norm: cross.then(|| LayerNormConfig::new(self.d_model).init(device)),
             final_norm: LayerNormConfig::new(self.d_model).init(device),
             head: LinearConfig::new(self.d_model, self.vocab).init(device),
+            no_attention: self.no_attention,
         }
     }
 }
 
 impl Transformer {
-    fn embed(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
-        self.embed_from(tokens, 0, None)
-    }
-
     /// Token plus position (plus previous-token) embeddings, the first token at position
     /// `start`; `previous` `[batch, 1]` is the token before it, if any.
     fn embed_from(
@@ -256,40 +169,40 @@ impl Transformer {
         embedded
     }
 
-    /// The encoder's output for `source` (normed for cross-attention), if there is an encoder.
-    fn encode(
-        &self,
-        source: Option<Tensor<2, Int>>,
-        weights: &mut Option<LayerWeights>,
-    ) -> Option<Tensor<3>> {
-        let mut memory = source.map(|tokens| self.embed(tokens));
-        for (index, block) in self.encoder.iter().enumerate() {
-            let x = memory.take().expect("encoder input");
-            memory = Some(block.forward(x, None, &format!("encoder {index}"), weights));
-        }
-        match &self.encoder_norm {
-            Some(norm) => memory.map(|m| norm.forward(m)),
+    /// The encoder's output (normed for cross-attention), if there is an encoder.
+    fn encode(&self, source: Option<Tensor<2, Int>>) -> Option<Tensor<3>> {
+        let encoder = self.encoder.as_ref()?;
+        let x = self.embed_from(source?, 0, None);
+        let memory = encoder.forward(TransformerEncoderInput::new(x));
+        Some(match &self.encoder_norm {
+            Some(norm) => norm.forward(memory),
             None => memory,
+        })
+    }
+
+    /// The decoder's input over `memory`; under the ablation the memory is all padding.
+    fn decoder_input(&self, target: Tensor<3>, memory: Tensor<3>) -> TransformerDecoderInput {
+        let [batch, seq_memory, _] = memory.dims();
+        let device = memory.device();
+        let input = TransformerDecoderInput::new(target, memory);
+        match self.no_attention {
+            true => {
+                input.memory_mask_pad(Tensor::<2, Bool>::full([batch, seq_memory], true, &device))
+            }
+            false => input,
         }
     }
 
-    /// Starts greedy decoding: encodes the source once and projects it for every
-    /// cross-attention.
+    /// Starts greedy decoding: encodes the source once.
     pub fn start_decoding(&self, source: Option<Tensor<2, Int>>) -> DecodeState {
-        let memory = self.encode(source, &mut None);
-        let cross = self
-            .decoder
-            .iter()
-            .map(|block| match (&block.cross_attention, &memory) {
-                (Some(attention), Some(memory)) => {
-                    Some(attention.cross_attention_cache(memory.clone(), memory.clone()))
-                }
-                _ => None,
-            })
-            .collect();
+        let cache = match (&self.causal_stack, &self.decoder) {
+            (Some(stack), _) => StackCache::DecoderOnly(stack.new_cache()),
+            (None, Some(decoder)) => StackCache::EncoderDecoder(decoder.new_cache()),
+            (None, None) => panic!("an encoder-only model does not decode"),
+        };
         DecodeState {
-            caches: self.decoder.iter().map(|_| KvCache::new()).collect(),
-            cross,
+            cache,
+            memory: self.encode(source),
             position: 0,
             last_token: None,
         }
@@ -302,12 +215,22 @@ impl Transformer {
         let previous = state
             .last_token
             .replace(tokens.clone().narrow(1, new - 1, 1));
-        let mut x = self.embed_from(tokens, state.position, previous);
+        let x = self.embed_from(tokens, state.position, previous);
         state.position += new;
-        for ((block, cache), cross) in self.decoder.iter().zip(&mut state.caches).zip(&state.cross)
-        {
-            x = block.forward_cached(x, cache, cross.as_ref());
+        let x = match (&mut state.cache, &self.causal_stack, &self.decoder) {
+            (StackCache::DecoderOnly(cache), Some(stack), _) => {
+                stack.forward_cached(TransformerEncoderInput::new(x), cache)
+            }
+            (StackCache::EncoderDecoder(cache), _, Some(decoder)) => {
+                let memory = state
+                    .memory
+                    .clone()
+                    .expect("an encoder-decoder has a memory");
+                decoder.forward_cached(self.decoder_input(x, memory), cache)
+            }
+            _ => unreachable!("the cache matches the model that made it"),
         }
+        .expect("an unbounded cache accepts every step");
         let vocab = self.head.weight.dims()[1];
         let last = x.narrow(1, new - 1, 1);
         self.head
@@ -324,17 +247,96 @@ impl Transformer {
         decoder_input: Option<Tensor<2, Int>>,
         weights: &mut Option<LayerWeights>,
     ) -> Tensor<3> {
-        let memory = self.encode(source, weights);
-        let output = match decoder_input {
-            Some(tokens) => {
-                let mut x = self.embed(tokens);
-                for (index, block) in self.decoder.iter().enumerate() {
-                    x = block.forward(x, memory.as_ref(), &format!("decoder {index}"), weights);
-                }
-                x
+        if let Some(weights) = weights.as_mut() {
+            weights.extend(self.attention_weights(source.clone(), decoder_input.clone()));
+        }
+        let memory = self.encode(source);
+        let output = match (decoder_input, &self.causal_stack, &self.decoder) {
+            (Some(tokens), Some(stack), _) => stack.forward(TransformerEncoderInput::new(
+                self.embed_from(tokens, 0, None),
+            )),
+            (Some(tokens), None, Some(decoder)) => {
+                let target = self.embed_from(tokens, 0, None);
+                let memory = memory.expect("an encoder-decoder reads a source");
+                decoder.forward(self.decoder_input(target, memory))
             }
-            None => memory.expect("an encoder-only model reads the source"),
+            _ => memory.expect("an encoder-only model reads the source"),
         };
         self.head.forward(self.final_norm.forward(output))
+    }
+
+    /// Every attention layer's per-head weights, for the heatmaps: each layer's input is
+    /// rebuilt by running the layers before it, and its attention asked for weights on that
+    /// input normed (the layers are pre-norm).
+    fn attention_weights(
+        &self,
+        source: Option<Tensor<2, Int>>,
+        decoder_input: Option<Tensor<2, Int>>,
+    ) -> LayerWeights {
+        let weights = |attention: &MultiHeadAttention, input: MhaInput| {
+            let output = attention.forward(input.need_weights(NeedWeights::PerHead));
+            let weights = output.weights.expect("weights were asked for");
+            (
+                output.context,
+                weights.per_head().expect("per-head weights"),
+            )
+        };
+        let mut all = Vec::new();
+        let mut stack_weights = |stack: &TransformerEncoder, x: Tensor<3>, label: &str| {
+            let input = TransformerEncoderInput::new(x.clone());
+            let mut x = x;
+            for (index, layer) in stack.layers.iter().enumerate() {
+                let mut attention_input =
+                    MhaInput::self_attn(layer.attention_norm.forward(x.clone()));
+                if layer.causal {
+                    attention_input = attention_input.causal();
+                }
+                all.push((
+                    format!("{label} {index} self"),
+                    weights(&layer.attention, attention_input).1,
+                ));
+                x = layer.forward(x, &input);
+            }
+            x
+        };
+        let memory = match (&self.encoder, source) {
+            (Some(encoder), Some(source)) => {
+                let x = stack_weights(encoder, self.embed_from(source, 0, None), "encoder");
+                Some(match &self.encoder_norm {
+                    Some(norm) => norm.forward(x),
+                    None => x,
+                })
+            }
+            _ => None,
+        };
+        if let (Some(stack), Some(tokens)) = (&self.causal_stack, decoder_input.clone()) {
+            stack_weights(stack, self.embed_from(tokens, 0, None), "decoder");
+        }
+        if let (Some(decoder), Some(tokens), Some(memory)) = (&self.decoder, decoder_input, memory)
+        {
+            let mut x = self.embed_from(tokens, 0, None);
+            let input = self.decoder_input(x.clone(), memory.clone());
+            for (index, layer) in decoder.layers.iter().enumerate() {
+                let normed = layer.self_attention_norm.forward(x.clone());
+                let (context, self_weights) =
+                    weights(&layer.self_attention, MhaInput::self_attn(normed).causal());
+                all.push((format!("decoder {index} self"), self_weights));
+                let after_self = x.clone() + context;
+                let normed = layer.cross_attention_norm.forward(after_self);
+                let mut cross = MhaInput::new(normed, memory.clone(), memory.clone());
+                if self.no_attention {
+                    let [batch, seq_memory, _] = memory.dims();
+                    let padding =
+                        Tensor::<2, Bool>::full([batch, seq_memory], true, &memory.device());
+                    cross = cross.key_padding_mask(padding);
+                }
+                all.push((
+                    format!("decoder {index} cross"),
+                    weights(&layer.cross_attention, cross).1,
+                ));
+                x = layer.forward(x, &input);
+            }
+        }
+        all
     }
 }

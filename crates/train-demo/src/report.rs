@@ -12,12 +12,13 @@ pub struct MetricsRow {
     pub step: usize,
     pub loss: f64,
     pub lr: f64,
-    /// Held-out accuracy, on evaluation steps.
+    /// Held-out loss and accuracy, on the last step of each epoch.
+    pub eval_loss: Option<f64>,
     pub token_accuracy: Option<f64>,
     pub exact_accuracy: Option<f64>,
 }
 
-const HEADER: &str = "step,loss,lr,eval_token_accuracy,eval_exact_accuracy";
+const HEADER: &str = "step,loss,lr,eval_token_accuracy,eval_exact_accuracy,eval_loss";
 
 /// Reads the rows of a previous run's `metrics.csv` (to continue it on resume).
 pub fn read_metrics(path: &Path) -> Vec<MetricsRow> {
@@ -35,6 +36,7 @@ pub fn read_metrics(path: &Path) -> Vec<MetricsRow> {
                 lr: fields.get(2)?.parse().ok()?,
                 token_accuracy: fields.get(3).and_then(|t| optional(t)),
                 exact_accuracy: fields.get(4).and_then(|t| optional(t)),
+                eval_loss: fields.get(5).and_then(|t| optional(t)),
             })
         })
         .collect()
@@ -55,12 +57,13 @@ fn write_rows(path: &Path, rows: &[MetricsRow]) -> std::io::Result<()> {
     for row in rows {
         writeln!(
             file,
-            "{},{:.8},{:.8},{},{}",
+            "{},{:.8},{:.8},{},{},{}",
             row.step,
             row.loss,
             row.lr,
             optional(row.token_accuracy),
-            optional(row.exact_accuracy)
+            optional(row.exact_accuracy),
+            optional(row.eval_loss)
         )?;
     }
     file.into_inner()?.sync_all()

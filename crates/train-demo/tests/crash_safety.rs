@@ -11,7 +11,8 @@ fn scratch(name: &str) -> PathBuf {
     dir
 }
 
-/// The training command for `out`: sort, 60 steps, a checkpoint every 10.
+/// The training command for `out`: sort, 60 steps in epochs of 10 (a checkpoint each), no
+/// early stop.
 fn training(out: &Path) -> Command {
     let mut command = Command::new(env!("CARGO_BIN_EXE_train-demo"));
     command.args([
@@ -19,10 +20,10 @@ fn training(out: &Path) -> Command {
         "sort",
         "--steps",
         "60",
-        "--checkpoint-every",
-        "10",
         "--eval-every",
-        "1000",
+        "10",
+        "--target-exact",
+        "101",
         "--eval-examples",
         "16",
         "--quiet",
@@ -63,10 +64,24 @@ fn kill_when(mut command: Command, line: &str) {
     );
 }
 
-fn checkpoint_step(out: &Path) -> u64 {
-    let text = std::fs::read_to_string(out.join("checkpoint/state.json")).unwrap();
-    let state: serde_json::Value = serde_json::from_str(&text).unwrap();
-    state["step"].as_u64().unwrap()
+/// The checkpoint files of a run.
+fn checkpoint_files(out: &Path) -> Vec<String> {
+    std::fs::read_dir(out.join("checkpoint"))
+        .unwrap()
+        .map(|entry| entry.unwrap().file_name().to_string_lossy().to_string())
+        .collect()
+}
+
+/// The last epoch with its model, optimizer and scheduler records all in place.
+fn complete_epoch(out: &Path) -> Option<usize> {
+    let files = checkpoint_files(out);
+    (1..=6)
+        .filter(|epoch| {
+            ["model", "optim", "scheduler"]
+                .iter()
+                .all(|name| files.contains(&format!("{name}-{epoch}.bpk")))
+        })
+        .max()
 }
 
 /// `(step, loss)` of every row of a run's metrics.
@@ -105,11 +120,12 @@ fn a_run_killed_mid_training_resumes_from_its_last_checkpoint_and_loses_nothing(
     run_to_the_end(training(&whole));
 
     let killed = scratch("killed-a");
-    kill_when(training(&killed), "checkpoint: step 20 saved");
-    let step = checkpoint_step(&killed);
+    kill_when(training(&killed), "checkpoint: epoch 2 model saved");
+    let epoch = complete_epoch(&killed);
     assert!(
-        step >= 20 && step.is_multiple_of(10),
-        "checkpoint at step {step}"
+        epoch.is_some_and(|epoch| epoch < 6),
+        "killed mid-run with a complete checkpoint: {:?}",
+        checkpoint_files(&killed)
     );
     let mut resume = training(&killed);
     resume.arg("--resume");
@@ -124,34 +140,33 @@ fn a_run_killed_mid_save_keeps_the_previous_checkpoint() {
 
     let killed = scratch("killed-b");
     let mut first = training(&killed);
-    first.args(["--stop-after", "20"]);
+    first.args(["--stop-after-epochs", "2"]);
     run_to_the_end(first);
-    assert_eq!(checkpoint_step(&killed), 20);
-    // The next save (step 30) pauses with its files written but not in place; kill it there.
+    assert_eq!(complete_epoch(&killed), Some(2));
+    // The next save (epoch 3) pauses with the model written but not in place; kill it there.
     let mut resumed = training(&killed);
     resumed
         .arg("--resume")
         .env("TRAIN_DEMO_SAVE_PAUSE_MS", "60000");
-    kill_when(resumed, "checkpoint: step 30 written, not yet in place");
+    kill_when(resumed, "checkpoint: epoch 3 written, not yet in place");
     assert_eq!(
-        checkpoint_step(&killed),
-        20,
-        "the previous checkpoint is in place"
+        complete_epoch(&killed),
+        Some(2),
+        "the previous checkpoint is the last complete one"
     );
-    let leftovers: Vec<_> = std::fs::read_dir(killed.join("checkpoints"))
-        .unwrap()
-        .map(|entry| entry.unwrap().file_name().to_string_lossy().to_string())
-        .collect();
+    let files = checkpoint_files(&killed);
     assert!(
-        leftovers.iter().any(|name| name.ends_with(".partial")),
-        "the killed save left its partial folder: {leftovers:?}"
+        files.contains(&"model-3.bpk.partial".to_string())
+            && !files.contains(&"model-3.bpk".to_string()),
+        "the killed save left its partial file, not a model-3.bpk: {files:?}"
     );
     let mut resume = training(&killed);
     resume.arg("--resume");
     run_to_the_end(resume);
     assert_same_run(&whole, &killed);
-    let left: Vec<_> = std::fs::read_dir(killed.join("checkpoints"))
-        .unwrap()
-        .collect();
-    assert_eq!(left.len(), 1, "later saves cleaned up what the crash left");
+    let files = checkpoint_files(&killed);
+    assert!(
+        !files.iter().any(|name| name.ends_with(".partial")),
+        "the resume removed what the crash left: {files:?}"
+    );
 }

@@ -769,11 +769,48 @@ impl<B: FlashKernels, const N: usize> Backward<B, N> for FlashAttentionBackward<
             sinks,
         } = B::backward_kernel(&ops.state, output_grad);
         let computed = [Some(query), Some(key), Some(value), sinks];
+        #[cfg(test)]
+        let mut registered = Vec::new();
         for (node, grad) in ops.parents.into_iter().zip(computed) {
             if let (Some(node), Some(grad)) = (node, grad) {
+                #[cfg(test)]
+                registered.push(node.id.value);
                 grads.register::<B>(node.id, grad);
             }
         }
+        #[cfg(test)]
+        registrations::record(
+            ops.node
+                .parents
+                .iter()
+                .map(|parent| parent.id.value)
+                .collect(),
+            registered,
+        );
+    }
+}
+
+/// What each flash node's backward registered, against the parent slots the autodiff tape
+/// counts for it (tests only: data-parallel training's gradient sync waits for exactly that
+/// many registrations of each parameter, and no test backend runs its all-reduce).
+#[cfg(test)]
+pub(crate) mod registrations {
+    use std::cell::RefCell;
+
+    thread_local! {
+        /// `(declared parent ids, registered ids)` per backward of a flash node run on this
+        /// thread (Burn runs a backward pass on the thread that asks for it; per thread, so
+        /// that tests running side by side do not mix their logs).
+        static LOG: RefCell<Vec<(Vec<u64>, Vec<u64>)>> = const { RefCell::new(Vec::new()) };
+    }
+
+    pub fn record(declared: Vec<u64>, registered: Vec<u64>) {
+        LOG.with_borrow_mut(|log| log.push((declared, registered)));
+    }
+
+    /// Empties this thread's log and returns what it held.
+    pub fn take() -> Vec<(Vec<u64>, Vec<u64>)> {
+        LOG.with_borrow_mut(std::mem::take)
     }
 }
 
@@ -1033,6 +1070,65 @@ mod tests {
                             }
                         }
                     }
+                }
+            }
+        }
+    }
+
+    /// Data-parallel training (burn-train's DDP) syncs a parameter's gradient once it has been
+    /// registered as often as the tape has parent slots for it. Here one leaf is the query, key
+    /// and value of one flash call and the key and value of a second one (with sinks), so it
+    /// fills five slots: each flash node must register each of its tracked slots exactly once,
+    /// through two backward passes, and the summed gradients must equal the explicit path's.
+    #[test]
+    fn the_backward_registers_each_tracked_parent_exactly_once() {
+        registrations::take();
+        let dropout = DropoutConfig::new(0.0).init();
+        for device in cpu_devices() {
+            let device = device.autodiff();
+            device.seed(47);
+            let shared = normal([2, 2, 5, 6], &device).require_grad();
+            let sinks = normal([2], &device).require_grad();
+            let frozen = normal([2, 2, 5, 6], &device);
+            let masks = ScoreMasks::none(5);
+            let blocks = BlockSizes { query: 2, key: 3 };
+            let case = |sinks| options(&cases(&device, [2, 2, 5, 5]).remove(0), sinks);
+            type Attend<'a> =
+                &'a dyn Fn(Tensor<4>, Tensor<4>, Tensor<4>, Option<Tensor<1>>) -> Tensor<4>;
+            let flash: Attend = &|q, k, v, s| flash_attention(q, k, v, &masks, &case(s), blocks);
+            let explicit: Attend =
+                &|q, k, v, s| explicit_attention(q, k, v, &masks, &case(s), &dropout).0;
+            let grads_of = |attend: Attend| {
+                let first = attend(shared.clone(), shared.clone(), shared.clone(), None);
+                let second = attend(first, shared.clone(), shared.clone(), Some(sinks.clone()));
+                // An untracked input takes a slot of neither count.
+                let third = attend(second, frozen.clone(), shared.clone(), None);
+                let grads = (third.clone() * third.sin()).sum().backward();
+                [
+                    shared.grad(&grads).unwrap(),
+                    sinks.grad(&grads).unwrap().reshape([1, 1, 1, 2]),
+                ]
+            };
+            let expected = grads_of(explicit);
+            registrations::take();
+            for pass in 0..2 {
+                let actual = grads_of(flash);
+                let log = registrations::take();
+                assert_eq!(log.len(), 3, "three flash nodes ran their backward");
+                for (mut declared, mut registered) in log {
+                    declared.sort_unstable();
+                    registered.sort_unstable();
+                    assert_eq!(
+                        registered, declared,
+                        "pass {pass}: each tracked parent slot registered exactly once"
+                    );
+                }
+                for (actual, expected) in actual.into_iter().zip(&expected) {
+                    let difference = (actual - expected.clone()).abs().max().into_scalar::<f32>();
+                    assert!(
+                        difference <= 1e-5,
+                        "pass {pass}: gradient differs by {difference}"
+                    );
                 }
             }
         }

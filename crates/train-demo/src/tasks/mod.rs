@@ -67,7 +67,7 @@ pub struct TaskDefaults {
 }
 
 /// A task: draws examples, says how outputs are scored and what chance level is.
-pub trait Task {
+pub trait Task: Send + Sync {
     fn architecture(&self) -> Architecture;
     /// Tokens in the model's vocabulary.
     fn vocab(&self) -> usize;
