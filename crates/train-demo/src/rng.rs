@@ -1,5 +1,5 @@
-//! A small seeded random generator whose whole state is one `u64`, so a checkpoint can store
-//! it and a resumed run draws the same data as an uninterrupted one.
+//! A small seeded random generator (SplitMix64): the training loader seeds one per example from
+//! `(seed, epoch, index)`, so a resumed run draws the same data as an uninterrupted one.
 
 use serde::{Deserialize, Serialize};
 
