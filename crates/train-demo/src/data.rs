@@ -109,23 +109,28 @@ pub fn predict(
     match scoring.generate_len {
         None => {
             let batch = Batch::new(examples, scoring, device);
-            let predictions = argmax_last(batch.logits(model));
-            examples
-                .iter()
-                .enumerate()
-                .map(|(row, example)| {
-                    example
-                        .target
-                        .iter()
-                        .enumerate()
-                        .filter(|(_, t)| **t != IGNORE)
-                        .map(|(column, _)| predictions[row * batch.seq + column])
-                        .collect()
-                })
-                .collect()
+            scored_positions(examples, &argmax_last(batch.logits(model)), batch.seq)
         }
         Some(length) => generate(model, scoring.architecture, examples, length, device),
     }
+}
+
+/// Each example's predictions at its scored positions, from `flat`: one prediction per
+/// position, row-major `[examples, seq]`.
+pub fn scored_positions(examples: &[Example], flat: &[i64], seq: usize) -> Vec<Vec<i64>> {
+    examples
+        .iter()
+        .enumerate()
+        .map(|(row, example)| {
+            example
+                .target
+                .iter()
+                .enumerate()
+                .filter(|(_, t)| **t != IGNORE)
+                .map(|(column, _)| flat[row * seq + column])
+                .collect()
+        })
+        .collect()
 }
 
 /// `[batch, seq, vocab]` → argmax per position, row-major.

@@ -13,9 +13,9 @@ use burn::train::metric::{
 };
 use burn::train::{InferenceStep, ItemLazy, TrainOutput, TrainStep};
 
-use crate::data::{Batch, Counts, masked_cross_entropy, predict};
+use crate::data::{Batch, Counts, masked_cross_entropy, predict, scored_positions};
 use crate::model::Transformer;
-use crate::tasks::{Example, IGNORE};
+use crate::tasks::Example;
 
 /// One step's loss and how its predictions scored.
 pub struct TaskOutput {
@@ -42,23 +42,13 @@ impl ItemLazy for TaskOutput {
         let counts = match self.predictions {
             Predictions::Scored(counts) => counts,
             Predictions::Argmax { argmax, examples } => {
-                let argmax = *argmax;
-                let [batch, seq] = argmax.dims();
+                let seq = argmax.dims()[1];
                 let flat: Vec<i64> = argmax
                     .try_into_data()?
                     .convert::<i64>()
                     .try_to_vec::<i64>()
                     .expect("integer predictions");
-                let predictions: Vec<Vec<i64>> = (0..batch)
-                    .map(|row| {
-                        let targets = &examples[row].target;
-                        (0..seq)
-                            .filter(|&column| targets[column] != IGNORE)
-                            .map(|column| flat[row * seq + column])
-                            .collect()
-                    })
-                    .collect();
-                Counts::of(&examples, &predictions)
+                Counts::of(&examples, &scored_positions(&examples, &flat, seq))
             }
         };
         Ok(Self {
@@ -131,7 +121,7 @@ enum Fraction {
 }
 
 /// Token accuracy or exact match, in percent, over the scored positions only (the
-/// [`IGNORE`] ones count for neither).
+/// [`IGNORE`](crate::tasks::IGNORE) ones count for neither).
 #[derive(Clone)]
 pub struct CountsMetric {
     fraction: Fraction,
