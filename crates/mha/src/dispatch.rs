@@ -96,9 +96,9 @@ pub(crate) fn choose_kernel(request: &KernelRequest) -> Kernel {
         {
             Kernel::Flash(BlockSizes::default())
         }
-        // Elsewhere (the CubeCL backends) the op runs its generic body: for training, where it
-        // keeps memory `O(seq)` instead of the explicit path's `O(seq²)`; for inference Burn's
-        // fused kernel is one launch where the generic body is several per block.
+        // Elsewhere (the CubeCL backends, `flash/cube/`) for training, where it keeps memory
+        // `O(seq)` instead of the explicit path's `O(seq²)`; inference goes to Burn's fused
+        // kernel below, which autotunes on the device (no GPU was at hand to measure against).
         AttentionPath::Auto if flash_blocker.is_none() && request.device.is_autodiff() => {
             Kernel::Flash(BlockSizes::default())
         }

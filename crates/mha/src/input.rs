@@ -32,8 +32,8 @@ pub enum AttentionPath {
     ///    measured there, keeps training memory `O(seq)`, and for inference writes the weights
     ///    when they are requested, as it finds each block's probabilities.
     /// 3. **Flash** on an autodiff device of the other backends it runs on (the CubeCL ones, see
-    ///    [`flash_attention_supported`](crate::flash_attention_supported); its generic body
-    ///    there), under the same condition: training memory `O(seq)`.
+    ///    [`flash_attention_supported`](crate::flash_attention_supported); native CubeCL
+    ///    kernels there), under the same condition: training memory `O(seq)`.
     /// 4. Elsewhere, on an autodiff device: **Explicit** (Burn's autodiff runs its fused op as a
     ///    decomposed fallback that is slower than the explicit path).
     /// 5. For inference: **Explicit** when the weights are requested; else **Chunked** above

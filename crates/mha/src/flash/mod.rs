@@ -13,9 +13,9 @@
 //! The op is a Burn backend extension routed to the backends listed on
 //! [`FlashAttentionBackend`]; [`flash_attention_supported`] says whether a device is one of
 //! them, since calling it on another panics. Each backend gets its forward and backward from
-//! [`FlashKernels`]: the generic body in backend primitives (`generic.rs`), or a native kernel
-//! (`cpu.rs`, flex and ndarray f32 storage) that falls back to the generic body for what it
-//! does not take.
+//! [`FlashKernels`]: the generic body in backend primitives (`generic.rs`), or native kernels
+//! that fall back to the generic body for what they do not take: `cpu.rs` (flex and ndarray
+//! f32 storage) and `cube/` (CubeCL kernels for the GPU backends, f32, f16 and bf16).
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
@@ -36,6 +36,8 @@ use crate::rules::ScoreRules;
 
 #[cfg(any(feature = "flex", feature = "ndarray"))]
 mod cpu;
+#[cfg(feature = "cube")]
+mod cube;
 #[cfg(any(feature = "flex", feature = "ndarray"))]
 pub(crate) use cpu::project as cpu_project;
 mod generic;
@@ -196,43 +198,10 @@ pub(crate) trait FlashKernels: Backend {
     }
 }
 
-/// Gives a CPU backend the native kernels of `cpu.rs`, with the generic body for the dtypes
-/// they do not take.
-#[cfg(any(feature = "flex", feature = "ndarray"))]
-macro_rules! native_flash_kernels {
+/// Routes a backend's extension calls to its [`FlashKernels`].
+#[cfg(any(feature = "flex", feature = "ndarray", feature = "cube"))]
+macro_rules! kernel_routed_extension {
     ($backend:ty) => {
-        impl FlashKernels for $backend {
-            fn forward_kernel(inputs: &FlashInputs<Self>) -> FlashForward<Self> {
-                if generic_body_forced() {
-                    return generic::forward(inputs);
-                }
-                cpu::forward(inputs).unwrap_or_else(|| generic::forward(inputs))
-            }
-
-            fn weights_kernel(
-                inputs: &FlashInputs<Self>,
-            ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-                if generic_body_forced() {
-                    return generic::forward_with_weights(inputs);
-                }
-                match cpu::forward_with_weights(inputs) {
-                    Some((forward, weights)) => (forward.output, weights),
-                    None => generic::forward_with_weights(inputs),
-                }
-            }
-
-            fn backward_kernel(
-                state: &FlashState<Self>,
-                output_grad: FloatTensor<Self>,
-            ) -> FlashGrads<Self> {
-                if generic_body_forced() {
-                    return generic::backward(state, output_grad);
-                }
-                cpu::backward(state, &output_grad)
-                    .unwrap_or_else(|| generic::backward(state, output_grad))
-            }
-        }
-
         impl FlashAttentionBackend for $backend {
             fn flash_attention(
                 query: FloatTensor<Self>,
@@ -278,6 +247,49 @@ macro_rules! native_flash_kernels {
         }
     };
 }
+#[cfg(feature = "cube")]
+use kernel_routed_extension;
+
+/// Gives a CPU backend the native kernels of `cpu.rs`, with the generic body for the dtypes
+/// they do not take.
+#[cfg(any(feature = "flex", feature = "ndarray"))]
+macro_rules! native_flash_kernels {
+    ($backend:ty) => {
+        impl FlashKernels for $backend {
+            fn forward_kernel(inputs: &FlashInputs<Self>) -> FlashForward<Self> {
+                if generic_body_forced() {
+                    return generic::forward(inputs);
+                }
+                cpu::forward(inputs).unwrap_or_else(|| generic::forward(inputs))
+            }
+
+            fn weights_kernel(
+                inputs: &FlashInputs<Self>,
+            ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+                if generic_body_forced() {
+                    return generic::forward_with_weights(inputs);
+                }
+                match cpu::forward_with_weights(inputs) {
+                    Some((forward, weights)) => (forward.output, weights),
+                    None => generic::forward_with_weights(inputs),
+                }
+            }
+
+            fn backward_kernel(
+                state: &FlashState<Self>,
+                output_grad: FloatTensor<Self>,
+            ) -> FlashGrads<Self> {
+                if generic_body_forced() {
+                    return generic::backward(state, output_grad);
+                }
+                cpu::backward(state, &output_grad)
+                    .unwrap_or_else(|| generic::backward(state, output_grad))
+            }
+        }
+
+        kernel_routed_extension!($backend);
+    };
+}
 
 #[cfg(test)]
 std::thread_local! {
@@ -286,7 +298,7 @@ std::thread_local! {
 
 /// Whether this thread's tests asked for the generic body where a native kernel exists (the
 /// native kernel takes every f32 call, so the generic body would otherwise never run on f32).
-#[cfg(any(feature = "flex", feature = "ndarray"))]
+#[cfg(any(feature = "flex", feature = "ndarray", feature = "cube"))]
 fn generic_body_forced() -> bool {
     #[cfg(test)]
     return GENERIC_BODY_FORCED.get();
@@ -309,26 +321,6 @@ fn with_generic_body<R>(run: impl FnOnce() -> R) -> R {
 
 #[cfg(feature = "flex")]
 native_flash_kernels!(burn::backend::Flex);
-
-/// The CubeCL backends (wgpu, Vulkan, Metal, CUDA, ROCm; Burn's `Cube`, wrapped in its fusion
-/// backend when that is on) run the generic body, forward and backward.
-#[cfg(any(
-    feature = "wgpu",
-    feature = "vulkan",
-    feature = "metal",
-    feature = "cuda",
-    feature = "rocm"
-))]
-impl FlashKernels for burn::backend::Cube {}
-
-#[cfg(any(
-    feature = "wgpu",
-    feature = "vulkan",
-    feature = "metal",
-    feature = "cuda",
-    feature = "rocm"
-))]
-impl FlashAttentionBackend for burn::backend::Cube {}
 
 #[cfg(feature = "ndarray")]
 native_flash_kernels!(burn::backend::NdArray);
@@ -431,7 +423,8 @@ where
 
 /// Whether the flash op runs on `device` (autodiff or not): flex and ndarray with this crate's
 /// features of those names (a native kernel), and the CubeCL backends (wgpu, Vulkan, Metal,
-/// CUDA, ROCm) with this crate's feature of the backend's name (the generic body).
+/// CUDA, ROCm) with this crate's feature of the backend's name (native CubeCL kernels, the
+/// generic body for attention sinks and packed segments).
 pub fn flash_attention_supported(device: &Device) -> bool {
     flash_kernel(device).is_some()
 }
@@ -443,8 +436,8 @@ pub fn flash_attention_supported(device: &Device) -> bool {
 pub(crate) enum FlashKernel {
     /// A kernel written for the backend's storage (flex, ndarray: `cpu.rs`).
     Native,
-    /// The generic body in backend primitives (the CubeCL backends).
-    Generic,
+    /// The CubeCL kernels (`cube/`) of the GPU backends.
+    Cube,
 }
 
 /// The flash op's body on `device` (autodiff or not), if the op runs there at all.
@@ -462,7 +455,7 @@ pub(crate) fn flash_kernel(device: &Device) -> Option<FlashKernel> {
                 feature = "cuda",
                 feature = "rocm"
             ))]
-            DispatchDevice::Cube(_) => Some(FlashKernel::Generic),
+            DispatchDevice::Cube(_) => Some(FlashKernel::Cube),
             DispatchDevice::Autodiff(inner) => kernel(inner),
             #[allow(unreachable_patterns)]
             _ => None,
@@ -550,6 +543,21 @@ impl ResultType {
     }
 }
 
+/// Whether the flash op on `device` takes f16 and bf16 inputs as they are (the CubeCL
+/// backends' kernels).
+fn reads_halves(device: &Device) -> bool {
+    fn cube(device: &DispatchDevice) -> bool {
+        match device {
+            #[cfg(feature = "cube")]
+            DispatchDevice::Cube(_) => true,
+            DispatchDevice::Autodiff(inner) => cube(inner),
+            #[allow(unreachable_patterns)]
+            _ => false,
+        }
+    }
+    cube(device.as_dispatch())
+}
+
 /// One call's arguments, checked and converted for the dispatch.
 struct DispatchedCall {
     query: FloatTensor<Dispatch>,
@@ -579,10 +587,12 @@ impl DispatchedCall {
         );
         // Half-precision inputs are computed in f32 (the softmax statistics and the sums over
         // key and query blocks lose too much in 8 or 11 bits of mantissa) and the results are
-        // returned in their type, as mixed-precision training expects.
+        // returned in their type, as mixed-precision training expects. The GPU kernels read
+        // halves themselves and accumulate in f32 (their fallback widens, `cube::widened`);
+        // elsewhere they are widened here.
         let dtype = query.dtype();
         let computed_in = match dtype {
-            DType::F16 | DType::BF16 => DType::F32,
+            DType::F16 | DType::BF16 if !reads_halves(&query.device()) => DType::F32,
             other => other,
         };
         let widen = |tensor: Tensor<4>| match tensor.dtype() == computed_in {
@@ -1070,6 +1080,241 @@ mod tests {
                             }
                         }
                     }
+                }
+            }
+        }
+    }
+
+    /// The wgpu device for the GPU kernels' tests, or `None` (with a note) where the run leaves
+    /// wgpu out (`MHA_TEST_DEVICES` without it) or no adapter works; `MHA_REQUIRE_WGPU=1`
+    /// makes a missing adapter a failure, as in the integration tests.
+    #[cfg(feature = "wgpu")]
+    fn wgpu_test_device() -> Option<Device> {
+        let listed = std::env::var("MHA_TEST_DEVICES").map_or(true, |list| {
+            list.split(',').any(|name| name.trim() == "wgpu")
+        });
+        if !listed {
+            return None;
+        }
+        let device = Device::wgpu(burn::tensor::DeviceKind::DefaultDevice);
+        let probe = device.clone();
+        let works = std::panic::catch_unwind(move || {
+            Tensor::<1>::ones([2], &probe).sum().into_scalar::<f32>() == 2.0
+        })
+        .unwrap_or(false);
+        let required = std::env::var("MHA_REQUIRE_WGPU").is_ok_and(|value| value == "1");
+        assert!(
+            works || !required,
+            "MHA_REQUIRE_WGPU=1 but no wgpu adapter works"
+        );
+        if !works {
+            eprintln!("*** SKIPPING the GPU kernels' test: no wgpu adapter ***");
+        }
+        works.then_some(device)
+    }
+
+    /// The native CubeCL kernels on wgpu (lavapipe where there is no GPU) against the explicit
+    /// path on the same device, in the output and the gradients of q, k, v: every case of
+    /// [`cases`] (sinks and segments go to the generic body, the rest to the kernels; the
+    /// count of native calls says so), GQA, causal with more queries than keys and fewer, odd
+    /// head widths, and sequences spanning several query and key tiles.
+    #[cfg(feature = "wgpu")]
+    #[test]
+    fn the_gpu_kernels_equal_the_explicit_path_in_outputs_and_gradients() {
+        let Some(device) = wgpu_test_device() else {
+            return;
+        };
+        let dropout = DropoutConfig::new(0.0).init();
+        let device = device.autodiff();
+        device.seed(37);
+        for (seq_q, seq_k) in [(5, 7), (7, 3), (45, 70)] {
+            let (batch, n_heads) = (2, 4);
+            let ([query, key, value], sinks) = grouped_heads(&device, seq_q, seq_k);
+            let heads = [&query, &key, &value];
+            for case in cases(&device, [batch, n_heads, seq_q, seq_k]) {
+                let native = case.masks.rules.segments.is_none() && !case.sinks;
+                let expected =
+                    outputs_and_grads(heads, case.sinks.then_some(&sinks), |q, k, v, s| {
+                        explicit_attention(q, k, v, &case.masks, &options(&case, s), &dropout).0
+                    });
+                cube::native_calls::take();
+                let actual =
+                    outputs_and_grads(heads, case.sinks.then_some(&sinks), |q, k, v, s| {
+                        flash_attention(
+                            q,
+                            k,
+                            v,
+                            &case.masks,
+                            &options(&case, s),
+                            BlockSizes::default(),
+                        )
+                    });
+                let calls = cube::native_calls::take();
+                assert_eq!(
+                    calls,
+                    if native { 2 } else { 0 },
+                    "{} {seq_q}x{seq_k}: native forward and backward calls",
+                    case.label
+                );
+                for (index, (actual, expected)) in actual.into_iter().zip(&expected).enumerate() {
+                    let what = ["output", "d query", "d key", "d value", "d sinks"][index];
+                    let difference = (actual - expected.clone()).abs().max().into_scalar::<f32>();
+                    assert!(
+                        difference <= 1e-4,
+                        "{} {seq_q}x{seq_k}: {what} differs by {difference}",
+                        case.label
+                    );
+                }
+            }
+        }
+        // Head width 64 over 600 queries and keys: a unit's loops run more than 65535
+        // iterations unless the ones over the head width are unrolled, and lavapipe's
+        // (llvmpipe's) loop limiter cuts a shader short past that, silently.
+        let heads = [[1, 2, 600, 64], [1, 1, 600, 64], [1, 1, 600, 64]].map(|s| normal(s, &device));
+        let masks = ScoreMasks {
+            rules: ScoreRules {
+                causal: true,
+                ..ScoreRules::none(600)
+            },
+            ..ScoreMasks::none(600)
+        };
+        let case = Case {
+            label: "causal 600x600, head width 64",
+            masks,
+            softcap: None,
+            sinks: false,
+        };
+        let [q, k, v] = [&heads[0], &heads[1], &heads[2]];
+        let expected = outputs_and_grads([q, k, v], None, |q, k, v, _| {
+            explicit_attention(q, k, v, &case.masks, &options(&case, None), &dropout).0
+        });
+        let actual = outputs_and_grads([q, k, v], None, |q, k, v, _| {
+            flash_attention(
+                q,
+                k,
+                v,
+                &case.masks,
+                &options(&case, None),
+                BlockSizes::default(),
+            )
+        });
+        for (index, (actual, expected)) in actual.into_iter().zip(&expected).enumerate() {
+            let what = ["output", "d query", "d key", "d value"][index];
+            let difference = (actual - expected.clone()).abs().max().into_scalar::<f32>();
+            assert!(
+                difference <= 1e-4,
+                "{}: {what} differs by {difference}",
+                case.label
+            );
+        }
+    }
+
+    /// Half precision on the GPU kernels (f16 and bf16 inputs, f32 accumulation), two ways.
+    ///
+    /// - FlashAttention's rule: against the explicit path in f32, the error of the output and
+    ///   of each gradient is at most twice the explicit path's own in the same precision.
+    /// - f32 accumulation: on inputs that are exact in the half type (and a loss whose output
+    ///   gradient is too), each result differs from the f32 reference by its final rounding
+    ///   alone, at most one half-precision epsilon of the largest value; sums carried in the
+    ///   half type would round at every step.
+    ///
+    /// Odd widths and lengths spanning several tiles; a dtype the adapter lacks is skipped with
+    /// a note.
+    #[cfg(feature = "wgpu")]
+    #[test]
+    fn the_gpu_kernels_in_half_precision_round_once_and_err_at_most_twice_the_explicit_path() {
+        let Some(device) = wgpu_test_device() else {
+            return;
+        };
+        let dropout = DropoutConfig::new(0.0).init();
+        let device = device.autodiff();
+        device.seed(41);
+        let (seq_q, seq_k) = (45, 150);
+        let ([query, key, value], _) = grouped_heads(&device, seq_q, seq_k);
+        let weight = normal([2, 4, seq_q, 3], &device);
+        let all = cases(&device, [2, 4, seq_q, seq_k]);
+        let picked = ["causal", "padding + dead row + causal", "float bias"];
+        for (dtype, epsilon) in [
+            (FloatDType::F16, 2f32.powi(-10)),
+            (FloatDType::BF16, 2f32.powi(-7)),
+        ] {
+            if !device.supports_dtype(dtype) {
+                eprintln!("*** SKIPPING {dtype:?} on wgpu: the adapter does not support it ***");
+                continue;
+            }
+            let narrow = |tensor: &Tensor<4>| tensor.clone().cast(dtype);
+            let exact = |tensor: &Tensor<4>| narrow(tensor).cast(FloatDType::F32);
+            let run =
+                |heads: [Tensor<4>; 3],
+                 weight: Tensor<4>,
+                 attend: &dyn Fn(Tensor<4>, Tensor<4>, Tensor<4>) -> Tensor<4>| {
+                    let [q, k, v] = heads.map(|tensor| tensor.detach().require_grad());
+                    let output = attend(q.clone(), k.clone(), v.clone());
+                    let grads = (output.clone() * weight).sum().backward();
+                    [
+                        output.inner(),
+                        q.grad(&grads).unwrap(),
+                        k.grad(&grads).unwrap(),
+                        v.grad(&grads).unwrap(),
+                    ]
+                };
+            for case in all.iter().filter(|case| picked.contains(&case.label)) {
+                let half_masks = ScoreMasks {
+                    bias: case.masks.bias.as_ref().map(narrow),
+                    ..case.masks.clone()
+                };
+                let exact_masks = ScoreMasks {
+                    bias: case.masks.bias.as_ref().map(exact),
+                    ..case.masks.clone()
+                };
+                let explicit_in = |masks: &ScoreMasks| {
+                    let (masks, dropout) = (masks.clone(), dropout.clone());
+                    move |q, k, v| {
+                        explicit_attention(q, k, v, &masks, &options(case, None), &dropout).0
+                    }
+                };
+                let heads = || [narrow(&query), narrow(&key), narrow(&value)];
+                let reference = run(
+                    [exact(&query), exact(&key), exact(&value)],
+                    exact(&weight),
+                    &explicit_in(&exact_masks),
+                );
+                let explicit = run(heads(), narrow(&weight), &explicit_in(&half_masks));
+                cube::native_calls::take();
+                let flash = run(heads(), narrow(&weight), &|q, k, v| {
+                    flash_attention(
+                        q,
+                        k,
+                        v,
+                        &half_masks,
+                        &options(case, None),
+                        BlockSizes::default(),
+                    )
+                });
+                assert_eq!(cube::native_calls::take(), 2, "{dtype:?}: native calls");
+                let error = |tensor: &Tensor<4>, reference: &Tensor<4>| {
+                    (tensor.clone().cast(FloatDType::F32) - reference.clone())
+                        .abs()
+                        .max()
+                        .into_scalar::<f32>()
+                };
+                for (index, reference) in reference.iter().enumerate() {
+                    let what = ["output", "d query", "d key", "d value"][index];
+                    let label = format!("{dtype:?} {}: {what}", case.label);
+                    assert_eq!(flash[index].dtype(), dtype.into(), "{label} keeps its type");
+                    let (ours, theirs) = (
+                        error(&flash[index], reference),
+                        error(&explicit[index], reference),
+                    );
+                    let largest = reference.clone().abs().max().into_scalar::<f32>();
+                    assert!(
+                        ours <= 2.0 * theirs + 1e-6,
+                        "{label}: error {ours} > 2 × the explicit path's {theirs}"
+                    );
+                    assert!(
+                        ours <= epsilon * largest,
+                        "{label}: error {ours} > one rounding ({epsilon} × {largest})"
+                    );
                 }
             }
         }

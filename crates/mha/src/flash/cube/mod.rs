@@ -1,0 +1,634 @@
+//! The flash op's native CubeCL kernels (wgpu, Vulkan, Metal, CUDA, ROCm): a forward that
+//! writes the output and each query's softmax statistics, and FlashAttention-2's backward
+//! (`D = rowsum(dO ∘ O)`, then `dQ` and `dK`/`dV` kernels that recompute every score tile
+//! from the statistics). Tiled through shared memory; GQA reads each key/value head for its
+//! whole group (no copies); bottom-right causal masking skips whole tiles; a float bias, key
+//! padding, a custom scale, a soft cap, windows and ALiBi are applied per score. Inputs are
+//! read in their float type and everything is accumulated in f32.
+//!
+//! Burn runs the CubeCL backends through its fusion backend: the kernels are registered as
+//! custom fusion operations (the `CubeFlashKernels` extension below), so they queue lazily
+//! with the ops around them.
+//!
+//! What they do not take goes to the generic body (`generic.rs`), forward and backward alike
+//! (one decision per call, [`NativeCall::of`]): attention sinks, packed-sequence segments, head
+//! widths over [`MAX_HEAD_DIM`], and empty sequences. `flash_attention_supported` and the
+//! dispatch treat both the same; only speed differs.
+
+mod backward;
+mod forward;
+mod score;
+
+use burn::backend::fusion::custom::TensorSpec;
+use burn::backend::ops::FloatTensorOps;
+use burn::backend::tensor::FloatTensor;
+use burn::backend::{Backend, DType, ExtensionType, Shape, TensorData, TensorMetadata};
+use burn::backend::{FloatDType, backend_extension};
+use burn_cubecl::CubeBackend;
+use burn_cubecl::cubecl;
+use burn_cubecl::kernel::into_contiguous;
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
+use burn_cubecl::tensor::CubeTensor;
+use cubecl::prelude::*;
+
+use super::{FlashAttentionBackend, FlashForward, FlashGrads, FlashInputs, FlashKernels};
+use super::{FlashParams, FlashState, MaybeBool, MaybeFloat, generic};
+use score::{Flags, ProblemLaunch, StridesLaunch};
+
+/// The widest query/key and value heads the kernels keep in registers.
+pub(crate) const MAX_HEAD_DIM: usize = 256;
+
+/// Queries per cube in the forward and `dQ` kernels, keys per cube in the `dK`/`dV` kernel.
+const UNITS: usize = 32;
+
+/// Shared memory the kernels plan for (the least a Vulkan device must offer is 16 KiB).
+const SHARED_BYTES: usize = 16 * 1024;
+
+/// What a native call computes besides its tensors.
+#[derive(Debug, Clone)]
+pub(crate) struct NativeCall {
+    scale: f32,
+    softcap: Option<f32>,
+    query_start: i32,
+    key_start: i32,
+    pinned: u32,
+    positional: u32,
+    window: u32,
+    causal: bool,
+    has_bias: bool,
+    has_forbid: bool,
+    has_alibi: bool,
+}
+
+/// The forward's results.
+#[derive(ExtensionType)]
+#[extension_type(fusion)]
+pub(crate) struct NativeForward<B: Backend> {
+    /// `[batch, n_heads, seq_q, value_dim]`, the inputs' type.
+    pub output: FloatTensor<B>,
+    /// `[batch, n_heads, seq_q, 2]`, f32: `(m, 1 / Σ)` per query.
+    pub stats: FloatTensor<B>,
+}
+
+/// The backward's results, each the shape and type of its input.
+#[derive(ExtensionType)]
+#[extension_type(fusion)]
+pub(crate) struct NativeGrads<B: Backend> {
+    pub query: FloatTensor<B>,
+    pub key: FloatTensor<B>,
+    pub value: FloatTensor<B>,
+}
+
+/// The kernels as backend operations (custom fusion operations on `Fusion<CubeBackend>`).
+///
+/// `bias` and `forbid` (1 for a hidden key, 0 otherwise) broadcast to
+/// `[batch, n_heads, seq_q, seq_k]`; `slopes` is `[n_heads]`. Each is a one-element
+/// placeholder when the call says it has none.
+#[backend_extension(Cube: cfg(feature = "cube"), Fusion)]
+pub(crate) trait CubeFlashKernels: Backend {
+    #[fusion(meta = forward_meta)]
+    fn native_flash_forward(
+        query: FloatTensor<Self>,
+        key: FloatTensor<Self>,
+        value: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        forbid: FloatTensor<Self>,
+        slopes: FloatTensor<Self>,
+        call: NativeCall,
+    ) -> NativeForward<Self>;
+
+    #[allow(clippy::too_many_arguments)]
+    #[fusion(meta = backward_meta)]
+    fn native_flash_backward(
+        query: FloatTensor<Self>,
+        key: FloatTensor<Self>,
+        value: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        forbid: FloatTensor<Self>,
+        slopes: FloatTensor<Self>,
+        output: FloatTensor<Self>,
+        stats: FloatTensor<Self>,
+        output_grad: FloatTensor<Self>,
+        call: NativeCall,
+    ) -> NativeGrads<Self>;
+}
+
+fn forward_meta(
+    query: &TensorSpec,
+    _key: &TensorSpec,
+    value: &TensorSpec,
+    _bias: &TensorSpec,
+    _forbid: &TensorSpec,
+    _slopes: &TensorSpec,
+    _call: &NativeCall,
+) -> NativeForwardMetadata {
+    let [batch, heads, seq_q] = [query.shape[0], query.shape[1], query.shape[2]];
+    NativeForwardMetadata {
+        output: TensorSpec::new(
+            Shape::new([batch, heads, seq_q, value.shape[3]]),
+            query.dtype,
+        ),
+        stats: TensorSpec::new(Shape::new([batch, heads, seq_q, 2]), DType::F32),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn backward_meta(
+    query: &TensorSpec,
+    key: &TensorSpec,
+    value: &TensorSpec,
+    _bias: &TensorSpec,
+    _forbid: &TensorSpec,
+    _slopes: &TensorSpec,
+    _output: &TensorSpec,
+    _stats: &TensorSpec,
+    _output_grad: &TensorSpec,
+    _call: &NativeCall,
+) -> NativeGradsMetadata {
+    NativeGradsMetadata {
+        query: query.clone(),
+        key: key.clone(),
+        value: value.clone(),
+    }
+}
+
+/// A call's tensors and scalars as the kernels take them.
+struct NativeInputs<B: Backend> {
+    query: FloatTensor<B>,
+    key: FloatTensor<B>,
+    value: FloatTensor<B>,
+    bias: FloatTensor<B>,
+    forbid: FloatTensor<B>,
+    slopes: FloatTensor<B>,
+    call: NativeCall,
+}
+
+impl NativeCall {
+    /// The kernels' form of `inputs`, or `None` for what they do not take (see the module
+    /// docs).
+    fn of<B: Backend>(inputs: &FlashInputs<B>) -> Option<NativeInputs<B>> {
+        let geometry = inputs.geometry();
+        let rules = &inputs.params.rules;
+        let dtype = inputs.query.dtype();
+        let takes = inputs.sinks.is_none()
+            && rules.segments.is_none()
+            && matches!(dtype, DType::F32 | DType::F16 | DType::BF16)
+            && [inputs.key.dtype(), inputs.value.dtype()] == [dtype, dtype]
+            && inputs
+                .bias
+                .as_ref()
+                .is_none_or(|bias| bias.dtype() == dtype)
+            && geometry.head_dim <= MAX_HEAD_DIM
+            && geometry.value_dim <= MAX_HEAD_DIM
+            && geometry.seq_q > 0
+            && geometry.seq_k > 0
+            && geometry.batch * geometry.n_heads > 0
+            && !super::generic_body_forced();
+        if !takes {
+            return None;
+        }
+        let device = inputs.query.device();
+        let placeholder = || B::float_zeros(Shape::new([1]), &device, FloatDType::from(dtype));
+        let call = NativeCall {
+            scale: inputs.params.scale as f32,
+            softcap: inputs.params.softcap.map(|cap| cap as f32),
+            query_start: to_i32(rules.query_start),
+            key_start: to_i32(rules.key_start),
+            pinned: to_u32(rules.pinned_keys),
+            positional: to_u32(rules.positional_keys),
+            window: rules.window.map_or(0, to_u32),
+            causal: rules.causal,
+            has_bias: inputs.bias.is_some(),
+            has_forbid: inputs.forbid.is_some(),
+            has_alibi: rules.alibi.is_some(),
+        };
+        Some(NativeInputs {
+            query: inputs.query.clone(),
+            key: inputs.key.clone(),
+            value: inputs.value.clone(),
+            bias: inputs.bias.clone().unwrap_or_else(placeholder),
+            forbid: inputs.forbid.clone().map_or_else(placeholder, |forbid| {
+                B::bool_into_float(forbid, FloatDType::from(dtype))
+            }),
+            slopes: rules.alibi.as_ref().map_or_else(
+                || B::float_zeros(Shape::new([1]), &device, FloatDType::F32),
+                |slopes| {
+                    B::float_from_data(TensorData::new(slopes.to_vec(), [slopes.len()]), &device)
+                },
+            ),
+            call,
+        })
+    }
+}
+
+/// A half-precision call's inputs in f32, for the generic body (whose softmax statistics and
+/// block sums need f32); `None` for an f32 call.
+fn widened<B: Backend>(inputs: &FlashInputs<B>) -> Option<FlashInputs<B>> {
+    if !matches!(inputs.query.dtype(), DType::F16 | DType::BF16) {
+        return None;
+    }
+    let wide = |tensor: &FloatTensor<B>| match tensor.dtype() {
+        DType::F32 => tensor.clone(),
+        _ => B::float_cast(tensor.clone(), FloatDType::F32),
+    };
+    Some(FlashInputs {
+        query: wide(&inputs.query),
+        key: wide(&inputs.key),
+        value: wide(&inputs.value),
+        bias: inputs.bias.as_ref().map(wide),
+        forbid: inputs.forbid.clone(),
+        sinks: inputs.sinks.as_ref().map(wide),
+        params: inputs.params.clone(),
+    })
+}
+
+fn to_i32(value: i64) -> i32 {
+    i32::try_from(value).expect("flash attention: positions must fit in i32 on the GPU kernels")
+}
+
+fn to_u32(value: usize) -> u32 {
+    u32::try_from(value).expect("flash attention: sizes must fit in u32 on the GPU kernels")
+}
+
+impl FlashKernels for burn::backend::Cube {
+    fn forward_kernel(inputs: &FlashInputs<Self>) -> FlashForward<Self> {
+        let Some(native) = NativeCall::of(inputs) else {
+            let Some(wide) = widened(inputs) else {
+                return generic::forward(inputs);
+            };
+            let FlashForward {
+                output,
+                softmax_stats,
+            } = generic::forward(&wide);
+            return FlashForward {
+                output: Self::float_cast(output, inputs.query.dtype().into()),
+                softmax_stats,
+            };
+        };
+        #[cfg(test)]
+        native_calls::record();
+        let NativeForward { output, stats } = Self::native_flash_forward(
+            native.query,
+            native.key,
+            native.value,
+            native.bias,
+            native.forbid,
+            native.slopes,
+            native.call,
+        );
+        FlashForward {
+            output,
+            softmax_stats: stats,
+        }
+    }
+
+    fn backward_kernel(
+        state: &FlashState<Self>,
+        output_grad: FloatTensor<Self>,
+    ) -> FlashGrads<Self> {
+        let Some(native) = NativeCall::of(&state.inputs) else {
+            let Some(inputs) = widened(&state.inputs) else {
+                return generic::backward(state, output_grad);
+            };
+            let dtype: FloatDType = state.inputs.query.dtype().into();
+            let wide = FlashState {
+                inputs,
+                output: Self::float_cast(state.output.clone(), FloatDType::F32),
+                softmax_stats: state.softmax_stats.clone(),
+            };
+            let grads = generic::backward(&wide, Self::float_cast(output_grad, FloatDType::F32));
+            let narrow = |grad| Self::float_cast(grad, dtype);
+            return FlashGrads {
+                query: narrow(grads.query),
+                key: narrow(grads.key),
+                value: narrow(grads.value),
+                sinks: grads.sinks.map(narrow),
+            };
+        };
+        #[cfg(test)]
+        native_calls::record();
+        state.check_output_grad(&output_grad);
+        let NativeGrads { query, key, value } = Self::native_flash_backward(
+            native.query,
+            native.key,
+            native.value,
+            native.bias,
+            native.forbid,
+            native.slopes,
+            state.output.clone(),
+            state.softmax_stats.clone(),
+            output_grad,
+            native.call,
+        );
+        FlashGrads {
+            query,
+            key,
+            value,
+            sinks: None,
+        }
+    }
+}
+
+super::kernel_routed_extension!(burn::backend::Cube);
+
+/// The sizes of one call, read from the contiguous inputs.
+struct Sizes {
+    batch: usize,
+    n_heads: usize,
+    n_kv_heads: usize,
+    seq_q: usize,
+    seq_k: usize,
+    head_dim: usize,
+    value_dim: usize,
+}
+
+impl Sizes {
+    fn of(query: &CubeTensor, key: &CubeTensor, value: &CubeTensor) -> Self {
+        let [batch, n_heads, seq_q, head_dim] = dims(query);
+        let [_, n_kv_heads, seq_k, _] = dims(key);
+        let value_dim = dims(value)[3];
+        Self {
+            batch,
+            n_heads,
+            n_kv_heads,
+            seq_q,
+            seq_k,
+            head_dim,
+            value_dim,
+        }
+    }
+
+    /// Keys per shared-memory tile (queries per tile in the `dK`/`dV` kernel): as many as
+    /// fit, up to one per unit.
+    fn tile_rows(&self) -> usize {
+        let row_bytes = (self.head_dim + self.value_dim + 3) * size_of::<f32>();
+        (SHARED_BYTES / row_bytes).clamp(1, UNITS)
+    }
+
+    fn problem(&self, call: &NativeCall, bias: &CubeTensor, forbid: &CubeTensor) -> ProblemLaunch {
+        let strides = |tensor: &CubeTensor, used: bool| {
+            let [batch, head, query, key] = match used {
+                true => broadcast_strides(tensor),
+                false => [0; 4],
+            };
+            StridesLaunch::new(batch, head, query, key)
+        };
+        ProblemLaunch::new(
+            to_u32(self.seq_q),
+            to_u32(self.seq_k),
+            to_u32(self.n_heads),
+            to_u32(self.n_kv_heads),
+            call.scale,
+            call.softcap.unwrap_or(1.0),
+            call.query_start,
+            call.key_start,
+            call.pinned,
+            call.positional,
+            call.window,
+            strides(bias, call.has_bias),
+            strides(forbid, call.has_forbid),
+        )
+    }
+
+    fn flags(&self, call: &NativeCall) -> Flags {
+        Flags {
+            causal: call.causal,
+            capped: call.softcap.is_some(),
+            has_bias: call.has_bias,
+            has_forbid: call.has_forbid,
+            has_alibi: call.has_alibi,
+            head_dim: self.head_dim,
+            value_dim: self.value_dim,
+        }
+    }
+}
+
+fn dims(tensor: &CubeTensor) -> [usize; 4] {
+    super::dims(&tensor.shape())
+}
+
+/// Element strides of a contiguous rank-4 tensor read as its broadcast to the scores: 0 on
+/// axes of size 1.
+fn broadcast_strides(tensor: &CubeTensor) -> [u32; 4] {
+    let shape = dims(tensor);
+    let mut strides = [0u32; 4];
+    let mut stride = 1usize;
+    for axis in (0..4).rev() {
+        if shape[axis] != 1 {
+            strides[axis] = to_u32(stride);
+        }
+        stride *= shape[axis];
+    }
+    strides
+}
+
+fn address_type(tensors: &[&CubeTensor]) -> AddressType {
+    tensors
+        .iter()
+        .map(|tensor| tensor.required_address_type())
+        .max()
+        .unwrap_or_default()
+}
+
+impl CubeFlashKernels for CubeBackend {
+    fn native_flash_forward(
+        query: FloatTensor<Self>,
+        key: FloatTensor<Self>,
+        value: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        forbid: FloatTensor<Self>,
+        slopes: FloatTensor<Self>,
+        call: NativeCall,
+    ) -> NativeForward<Self> {
+        let [query, key, value, bias, forbid, slopes] =
+            [query, key, value, bias, forbid, slopes].map(into_contiguous);
+        let sizes = Sizes::of(&query, &key, &value);
+        let (client, device, dtype) = (query.client.clone(), query.device.clone(), query.dtype);
+        let rows = sizes.batch * sizes.n_heads;
+        let output = empty_device_contiguous_dtype(
+            client.clone(),
+            device.clone(),
+            Shape::new([sizes.batch, sizes.n_heads, sizes.seq_q, sizes.value_dim]),
+            dtype,
+        );
+        let stats = empty_device_contiguous_dtype(
+            client.clone(),
+            device,
+            Shape::new([sizes.batch, sizes.n_heads, sizes.seq_q, 2]),
+            DType::F32,
+        );
+        let address = address_type(&[&query, &key, &value, &bias, &forbid, &output]);
+        let problem = sizes.problem(&call, &bias, &forbid);
+        forward::forward_kernel::launch(
+            &client,
+            CubeCount::Static(to_u32(sizes.seq_q.div_ceil(UNITS)), to_u32(rows), 1),
+            CubeDim::new_1d(UNITS as u32),
+            address,
+            query.into_tensor_arg(),
+            key.into_tensor_arg(),
+            value.into_tensor_arg(),
+            bias.into_tensor_arg(),
+            forbid.into_tensor_arg(),
+            slopes.into_tensor_arg(),
+            output.clone().into_tensor_arg(),
+            stats.clone().into_tensor_arg(),
+            problem,
+            sizes.flags(&call),
+            UNITS,
+            sizes.tile_rows(),
+            burn::backend::cubecl::dtype_to_storage_type(dtype),
+        );
+        NativeForward { output, stats }
+    }
+
+    // Over 80 lines: three launches, mostly their argument lists.
+    fn native_flash_backward(
+        query: FloatTensor<Self>,
+        key: FloatTensor<Self>,
+        value: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        forbid: FloatTensor<Self>,
+        slopes: FloatTensor<Self>,
+        output: FloatTensor<Self>,
+        stats: FloatTensor<Self>,
+        output_grad: FloatTensor<Self>,
+        call: NativeCall,
+    ) -> NativeGrads<Self> {
+        let [
+            query,
+            key,
+            value,
+            bias,
+            forbid,
+            slopes,
+            output,
+            stats,
+            output_grad,
+        ] = [
+            query,
+            key,
+            value,
+            bias,
+            forbid,
+            slopes,
+            output,
+            stats,
+            output_grad,
+        ]
+        .map(into_contiguous);
+        let sizes = Sizes::of(&query, &key, &value);
+        let (client, device, dtype) = (query.client.clone(), query.device.clone(), query.dtype);
+        let storage = burn::backend::cubecl::dtype_to_storage_type(dtype);
+        let query_rows = sizes.batch * sizes.n_heads * sizes.seq_q;
+        let row_dots = empty_device_contiguous_dtype(
+            client.clone(),
+            device.clone(),
+            Shape::new([sizes.batch, sizes.n_heads, sizes.seq_q]),
+            DType::F32,
+        );
+        let empty_like = |tensor: &CubeTensor| {
+            empty_device_contiguous_dtype(client.clone(), device.clone(), tensor.shape(), dtype)
+        };
+        let (query_grad, key_grad, value_grad) =
+            (empty_like(&query), empty_like(&key), empty_like(&value));
+        let address = address_type(&[
+            &query,
+            &key,
+            &value,
+            &bias,
+            &forbid,
+            &output,
+            &output_grad,
+            &stats,
+        ]);
+
+        let cube_dim = CubeDim::new(&client, query_rows);
+        backward::row_dot_kernel::launch(
+            &client,
+            cubecl::calculate_cube_count_elemwise(&client, query_rows, cube_dim),
+            cube_dim,
+            address,
+            output.into_tensor_arg(),
+            output_grad.clone().into_tensor_arg(),
+            row_dots.clone().into_tensor_arg(),
+            sizes.value_dim,
+            storage,
+        );
+        backward::query_grad_kernel::launch(
+            &client,
+            CubeCount::Static(
+                to_u32(sizes.seq_q.div_ceil(UNITS)),
+                to_u32(sizes.batch * sizes.n_heads),
+                1,
+            ),
+            CubeDim::new_1d(UNITS as u32),
+            address,
+            query.clone().into_tensor_arg(),
+            key.clone().into_tensor_arg(),
+            value.clone().into_tensor_arg(),
+            bias.clone().into_tensor_arg(),
+            forbid.clone().into_tensor_arg(),
+            slopes.clone().into_tensor_arg(),
+            stats.clone().into_tensor_arg(),
+            row_dots.clone().into_tensor_arg(),
+            output_grad.clone().into_tensor_arg(),
+            query_grad.clone().into_tensor_arg(),
+            sizes.problem(&call, &bias, &forbid),
+            sizes.flags(&call),
+            UNITS,
+            sizes.tile_rows(),
+            storage,
+        );
+        backward::key_value_grad_kernel::launch(
+            &client,
+            CubeCount::Static(
+                to_u32(sizes.seq_k.div_ceil(UNITS)),
+                to_u32(sizes.batch * sizes.n_kv_heads),
+                1,
+            ),
+            CubeDim::new_1d(UNITS as u32),
+            address,
+            query.into_tensor_arg(),
+            key.into_tensor_arg(),
+            value.into_tensor_arg(),
+            bias.clone().into_tensor_arg(),
+            forbid.clone().into_tensor_arg(),
+            slopes.into_tensor_arg(),
+            stats.into_tensor_arg(),
+            row_dots.into_tensor_arg(),
+            output_grad.into_tensor_arg(),
+            key_grad.clone().into_tensor_arg(),
+            value_grad.clone().into_tensor_arg(),
+            sizes.problem(&call, &bias, &forbid),
+            sizes.flags(&call),
+            sizes.tile_rows(),
+            UNITS,
+            storage,
+        );
+        NativeGrads {
+            query: query_grad,
+            key: key_grad,
+            value: value_grad,
+        }
+    }
+}
+
+/// How many calls (forward or backward) the native kernels took on this thread (tests only:
+/// the fallback must be seen to happen only where documented).
+#[cfg(test)]
+pub(crate) mod native_calls {
+    use std::cell::Cell;
+
+    thread_local! {
+        static COUNT: Cell<usize> = const { Cell::new(0) };
+    }
+
+    pub fn record() {
+        COUNT.set(COUNT.get() + 1);
+    }
+
+    /// The count since the last call, reset to 0.
+    pub fn take() -> usize {
+        COUNT.replace(0)
+    }
+}
