@@ -23,11 +23,15 @@
 //! Mesa's software Vulkan driver, device memory is host memory and the peak RSS counts it too.
 //! A cell that runs out of memory or cannot run says so.
 
+#[path = "common/memory.rs"]
+mod memory;
+
 use std::process::Command;
 use std::time::Instant;
 
 use burn::nn::attention::{MhaInput as BurnMhaInput, MultiHeadAttentionConfig as BurnMhaConfig};
 use burn::tensor::{Device, DeviceKind, Distribution, FloatDType, Tensor};
+use memory::peak_rss_mib;
 use mha::{AttentionPath, MhaInput, MultiHeadAttentionConfig};
 
 /// The shapes: batch × tokens × d_model × heads.
@@ -194,16 +198,6 @@ fn reduce(context: Tensor<3>, x: &Tensor<3>, training: bool) -> Tensor<1> {
             x.grad(&grads).expect("input gradient").sum()
         }
     }
-}
-
-fn peak_rss_mib() -> f64 {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    status
-        .lines()
-        .find(|line| line.starts_with("VmHWM:"))
-        .and_then(|line| line.split_whitespace().nth(1))
-        .and_then(|kib| kib.parse::<f64>().ok())
-        .map_or(f64::NAN, |kib| kib / 1024.0)
 }
 
 /// Runs `cell` in a fresh process: `(ms, reserved MiB, peak RSS MiB)`, or why it failed.

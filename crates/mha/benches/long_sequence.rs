@@ -18,12 +18,16 @@
 //! Burn's module materialises `[batch, heads, seq, seq]` scores (8.6 GB at 16384 tokens, more
 //! than this 24 GiB machine can hold with the softmax's copies), so it is measured at 8192.
 
+#[path = "common/memory.rs"]
+mod memory;
+
 use std::process::Command;
 use std::time::Instant;
 
 use burn::module::Module;
 use burn::nn::attention::{MhaInput as BurnMhaInput, MultiHeadAttentionConfig as BurnMhaConfig};
 use burn::tensor::{Device, Distribution, Tensor};
+use memory::peak_rss_mib;
 use mha::{AttentionPath, BlockSizes, MhaInput, MultiHeadAttentionConfig};
 
 const D_MODEL: usize = 512;
@@ -80,16 +84,6 @@ const FEATURE_CASES: [(&str, &str, usize); 9] = [
 /// Not in the table: `cargo bench --workspace --bench long_sequence -- gradients-4096` compares the input
 /// and weight gradients of the flash kernel (`Auto`) with the explicit path's at 4096 tokens.
 const GRADIENT_CHECK: &str = "gradients-4096";
-
-fn peak_rss_mib() -> f64 {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    status
-        .lines()
-        .find(|line| line.starts_with("VmHWM:"))
-        .and_then(|line| line.split_whitespace().nth(1))
-        .and_then(|kib| kib.parse::<f64>().ok())
-        .map_or(f64::NAN, |kib| kib / 1024.0)
-}
 
 fn run_case(name: &str) {
     let (_, implementation, seq, training, device) = CASES

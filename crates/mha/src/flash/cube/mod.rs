@@ -33,6 +33,7 @@ use cubecl::prelude::*;
 
 use super::{FlashAttentionBackend, FlashForward, FlashGrads, FlashInputs, FlashKernels};
 use super::{FlashParams, FlashState, MaybeBool, MaybeFloat, generic};
+use crate::geometry::Geometry;
 use score::{Flags, ProblemLaunch, StridesLaunch};
 
 /// The widest query/key and value heads the kernels keep in registers.
@@ -331,33 +332,14 @@ impl FlashKernels for burn::backend::Cube {
 
 super::kernel_routed_extension!(burn::backend::Cube);
 
-/// The sizes of one call, read from the contiguous inputs.
-struct Sizes {
-    batch: usize,
-    n_heads: usize,
-    n_kv_heads: usize,
-    seq_q: usize,
-    seq_k: usize,
-    head_dim: usize,
-    value_dim: usize,
+/// What the launches derive from a call's sizes.
+trait LaunchSizes {
+    fn tile_rows(&self) -> usize;
+    fn problem(&self, call: &NativeCall, bias: &CubeTensor, forbid: &CubeTensor) -> ProblemLaunch;
+    fn flags(&self, call: &NativeCall) -> Flags;
 }
 
-impl Sizes {
-    fn of(query: &CubeTensor, key: &CubeTensor, value: &CubeTensor) -> Self {
-        let [batch, n_heads, seq_q, head_dim] = dims(query);
-        let [_, n_kv_heads, seq_k, _] = dims(key);
-        let value_dim = dims(value)[3];
-        Self {
-            batch,
-            n_heads,
-            n_kv_heads,
-            seq_q,
-            seq_k,
-            head_dim,
-            value_dim,
-        }
-    }
-
+impl LaunchSizes for Geometry {
     /// Keys per shared-memory tile (queries per tile in the `dK`/`dV` kernel): as many as
     /// fit, up to one per unit.
     fn tile_rows(&self) -> usize {
@@ -442,7 +424,7 @@ impl CubeFlashKernels for CubeBackend {
     ) -> NativeForward<Self> {
         let [query, key, value, bias, forbid, slopes] =
             [query, key, value, bias, forbid, slopes].map(into_contiguous);
-        let sizes = Sizes::of(&query, &key, &value);
+        let sizes = Geometry::of_heads(dims(&query), dims(&key), dims(&value));
         let (client, device, dtype) = (query.client.clone(), query.device.clone(), query.dtype);
         let rows = sizes.batch * sizes.n_heads;
         let output = empty_device_contiguous_dtype(
@@ -516,7 +498,7 @@ impl CubeFlashKernels for CubeBackend {
             output_grad,
         ]
         .map(into_contiguous);
-        let sizes = Sizes::of(&query, &key, &value);
+        let sizes = Geometry::of_heads(dims(&query), dims(&key), dims(&value));
         let (client, device, dtype) = (query.client.clone(), query.device.clone(), query.dtype);
         let storage = burn::backend::cubecl::dtype_to_storage_type(dtype);
         let query_rows = sizes.batch * sizes.n_heads * sizes.seq_q;
