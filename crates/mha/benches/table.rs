@@ -5,6 +5,7 @@
 //! cargo bench --workspace --bench table                          # flex and ndarray, every shape
 //! cargo bench --workspace --bench table -- --devices flex --shapes 4x512x512x8
 //! cargo bench --workspace --bench table -- --devices wgpu --shapes 8x128x256x8
+//! cargo bench --workspace --bench table -- --ours-only --modes fwd+bwd   # no Burn column
 //! ```
 //!
 //! Modes: `fwd` (inference, no weights), `fwd+weights` (per-head weights returned) and
@@ -187,6 +188,7 @@ fn main() {
     let mut modes = vec![Mode::Forward, Mode::ForwardWeights, Mode::ForwardBackward];
     let mut budget = Duration::from_secs(3);
     let mut path = AttentionPath::Auto;
+    let mut with_burn = true;
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
         let mut value = || args.next().unwrap_or_else(|| panic!("{arg} needs a value"));
@@ -218,6 +220,8 @@ fn main() {
                     }
                 }
             }
+            // `--ours-only`: no Burn column, for profiling this module alone (`perf record`).
+            "--ours-only" => with_burn = false,
             "--budget-s" => budget = Duration::from_secs_f64(value().parse().expect("seconds")),
             // `cargo bench` passes `--bench`; the other libtest flags mean nothing here.
             _ => {}
@@ -242,21 +246,28 @@ fn main() {
                     } else {
                         1.0
                     };
-                let medians = interleaved_medians(
-                    budget,
-                    &mut [ours(shape, mode, path, &device), burn(shape, mode, &device)],
-                );
-                let (ours, burn) = (medians[0], medians[1]);
+                let mut cases = vec![ours(shape, mode, path, &device)];
+                if with_burn {
+                    cases.push(burn(shape, mode, &device));
+                }
+                let medians = interleaved_medians(budget, &mut cases);
+                let ours = medians[0];
+                let burn_cells = match medians.get(1) {
+                    Some(burn) => format!(
+                        "{burn:.1} | {:.1} | {:.2}x",
+                        flops / burn / 1e6,
+                        burn / ours
+                    ),
+                    None => "- | - | -".to_string(),
+                };
                 println!(
-                    "| {device_name} | {}, {}, {}, {} | {} | {ours:.1} | {:.1} | {burn:.1} | {:.1} | {:.2}x |",
+                    "| {device_name} | {}, {}, {}, {} | {} | {ours:.1} | {:.1} | {burn_cells} |",
                     shape.batch,
                     shape.seq,
                     shape.d_model,
                     shape.heads,
                     mode.name(),
                     flops / ours / 1e6,
-                    flops / burn / 1e6,
-                    burn / ours
                 );
             }
         }

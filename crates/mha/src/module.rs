@@ -472,11 +472,12 @@ impl MultiHeadAttention {
 
     /// `linear(x)` split into heads, `[batch, heads, seq, head_dim]`.
     ///
-    /// For inference on flex and ndarray in f32 with this crate's native kernels, the projection
-    /// op (`projection.rs`) writes `linear(x)` in one GEMM, and the split is a view the flash
-    /// kernel reads through its strides. Otherwise, for inference on flex (another dtype, or
-    /// without this crate's `flex` feature, where `Auto` takes flex's fused kernel) it is
-    /// computed head-major: one batched matmul against the weight viewed as
+    /// On flex and ndarray in f32 with this crate's native kernels, the projection op
+    /// (`projection.rs`, with its own backward in training) writes `linear(x)` in one GEMM, and
+    /// the split is a view the flash kernel reads through its strides. Otherwise, for inference
+    /// on flex (another dtype, or without this crate's `flex` feature, where `Auto` takes
+    /// flex's fused kernel) it is computed head-major: one batched matmul against the weight
+    /// viewed as
     /// `[heads, d_input, head_dim]` writes each head contiguously, where `linear` then a split
     /// leaves a strided view that flex's fused attention kernel reads more slowly (75.6 ms
     /// against 86.6 ms for a forward at batch 4, 512 tokens, d_model 512, 8 heads).

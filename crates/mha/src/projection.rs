@@ -1,24 +1,34 @@
-//! `x · W + b` for inference on the CPU backends' f32 storage, as one op that writes a buffer
-//! the result then owns.
+//! `x · W + b` on the CPU backends' f32 storage, as one op that writes a buffer the result then
+//! owns, with an autodiff node whose backward does the same for `dx`, `dW` and `db`.
 //!
 //! Burn's `Linear` on flex is a matmul and a bias add, each with a fresh output, and burn-flex
 //! 0.22.1 allocates every output as a zeroed `Vec<u8>` copied into an aligned allocation
 //! (`FlexTensor::empty`): a `memcpy` and twice the page faults per projection, 16% of a
 //! forward at batch 8, 128 tokens, d_model 256 (`perf record`). Here the bias is written into
-//! the output rows and the product accumulated onto it by one GEMM.
+//! the output rows and the product accumulated onto it by one GEMM; in training the input and
+//! weight gradients are one GEMM each on strided views (no transposed copies), and the bias
+//! gradient one pass over the rows.
 
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+#[cfg(any(feature = "flex", feature = "ndarray"))]
+use burn::backend::ops::FloatTensorOps;
 use burn::backend::tensor::FloatTensor;
-use burn::backend::{Backend, backend_extension};
+use burn::backend::{Autodiff, Backend, TensorMetadata, backend_extension};
 use burn::nn::Linear;
 use burn::tensor::{DType, Tensor};
 
 use crate::flash::{FlashKernel, MaybeFloat, flash_kernel};
 
-/// Backends with the projection op: the CPU backends whose f32 storage the native kernels read.
+/// Backends with the projection op: the CPU backends whose f32 storage the native kernels read,
+/// and autodiff over them.
 #[cfg(any(feature = "flex", feature = "ndarray"))]
 #[backend_extension(
     Flex: cfg(feature = "flex"),
-    NdArray: cfg(feature = "ndarray")
+    NdArray: cfg(feature = "ndarray"),
+    Autodiff
 )]
 pub(crate) trait ProjectionBackend: Backend {
     /// `x · weight + bias`.
@@ -34,24 +44,60 @@ pub(crate) trait ProjectionBackend: Backend {
         weight: FloatTensor<Self>,
         #[extension_type] bias: MaybeFloat<Self>,
     ) -> FloatTensor<Self> {
-        generic::<Self>(x, weight, bias.into_option())
+        product::<Self>((x, false), (weight, false), bias.into_option())
     }
 }
 
-/// Gives a CPU backend the native body of `flash/cpu.rs`, with the default one for the dtypes
-/// it does not take.
+/// The products a projection and its gradients need, native where a backend has them.
+#[cfg(any(feature = "flex", feature = "ndarray"))]
+pub(crate) trait ProjectionKernels: Backend {
+    /// `lhs · rhs (+ bias)`, either factor transposed first (matrices `[1, 1, rows, columns]`).
+    fn product(
+        lhs: (FloatTensor<Self>, bool),
+        rhs: (FloatTensor<Self>, bool),
+        bias: Option<FloatTensor<Self>>,
+    ) -> FloatTensor<Self> {
+        product::<Self>(lhs, rhs, bias)
+    }
+
+    /// The sum of a matrix's rows, `[1, 1, 1, columns]`.
+    fn row_sum(matrix: FloatTensor<Self>) -> FloatTensor<Self> {
+        Self::float_sum_dim(matrix, 2)
+    }
+}
+
+/// Gives a CPU backend the native products of `flash/cpu.rs`, with the default ones for the
+/// dtypes they do not take.
 #[cfg(any(feature = "flex", feature = "ndarray"))]
 macro_rules! native_projection {
     ($backend:ty) => {
+        impl ProjectionKernels for $backend {
+            fn product(
+                lhs: (FloatTensor<Self>, bool),
+                rhs: (FloatTensor<Self>, bool),
+                bias: Option<FloatTensor<Self>>,
+            ) -> FloatTensor<Self> {
+                crate::flash::cpu_product::<Self>((&lhs.0, lhs.1), (&rhs.0, rhs.1), bias.as_ref())
+                    .unwrap_or_else(|| product::<Self>(lhs, rhs, bias))
+            }
+
+            fn row_sum(matrix: FloatTensor<Self>) -> FloatTensor<Self> {
+                crate::flash::cpu_row_sum::<Self>(&matrix)
+                    .unwrap_or_else(|| Self::float_sum_dim(matrix, 2))
+            }
+        }
+
         impl ProjectionBackend for $backend {
             fn project(
                 x: FloatTensor<Self>,
                 weight: FloatTensor<Self>,
                 bias: MaybeFloat<Self>,
             ) -> FloatTensor<Self> {
-                let bias = bias.into_option();
-                crate::flash::cpu_project::<Self>(&x, &weight, bias.as_ref())
-                    .unwrap_or_else(|| generic::<Self>(x, weight, bias))
+                <Self as ProjectionKernels>::product(
+                    (x, false),
+                    (weight, false),
+                    bias.into_option(),
+                )
             }
         }
     };
@@ -64,15 +110,126 @@ native_projection!(burn::backend::NdArray);
 
 /// The default body, and what the native one falls back to for another dtype.
 #[cfg(any(feature = "flex", feature = "ndarray"))]
-fn generic<B: Backend>(
-    x: FloatTensor<B>,
-    weight: FloatTensor<B>,
+fn product<B: Backend>(
+    (lhs, transpose_lhs): (FloatTensor<B>, bool),
+    (rhs, transpose_rhs): (FloatTensor<B>, bool),
     bias: Option<FloatTensor<B>>,
 ) -> FloatTensor<B> {
-    let product = B::float_matmul(x, weight);
+    let oriented = |matrix: FloatTensor<B>, transpose: bool| match transpose {
+        true => B::float_swap_dims(matrix, 2, 3),
+        false => matrix,
+    };
+    let product = B::float_matmul(oriented(lhs, transpose_lhs), oriented(rhs, transpose_rhs));
     match bias {
         Some(bias) => B::float_add(product, bias),
         None => product,
+    }
+}
+
+#[cfg(any(feature = "flex", feature = "ndarray"))]
+impl<B: ProjectionKernels, C: CheckpointStrategy> ProjectionBackend for Autodiff<B, C> {
+    fn project(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: MaybeFloat<Self>,
+    ) -> FloatTensor<Self> {
+        let bias = bias.into_option();
+        let [x_node, weight_node] = [x.node(), weight.node()];
+        let inputs = ProjectionInputs::<B> {
+            x: x.into_primitive(),
+            weight: weight.into_primitive(),
+            bias: bias.as_ref().map(|bias| bias.clone().into_primitive()),
+        };
+        match bias {
+            None => record::<B, C, 2>([x_node, weight_node], inputs),
+            Some(bias) => record::<B, C, 3>([x_node, weight_node, bias.node()], inputs),
+        }
+    }
+}
+
+/// A projection's operands, kept for its backward.
+#[cfg(any(feature = "flex", feature = "ndarray"))]
+pub(crate) struct ProjectionInputs<B: Backend> {
+    x: FloatTensor<B>,
+    weight: FloatTensor<B>,
+    bias: Option<FloatTensor<B>>,
+}
+
+#[cfg(any(feature = "flex", feature = "ndarray"))]
+impl<B: Backend> std::fmt::Debug for ProjectionInputs<B> {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter
+            .debug_struct("ProjectionInputs")
+            .field("x", &self.x.shape())
+            .field("weight", &self.weight.shape())
+            .finish()
+    }
+}
+
+#[cfg(any(feature = "flex", feature = "ndarray"))]
+impl<B: Backend> Clone for ProjectionInputs<B> {
+    fn clone(&self) -> Self {
+        Self {
+            x: self.x.clone(),
+            weight: self.weight.clone(),
+            bias: self.bias.clone(),
+        }
+    }
+}
+
+/// Runs the forward and, when a parent is tracked, records the node that will run the
+/// backward: parents x, weight, and the bias when there is one.
+#[cfg(any(feature = "flex", feature = "ndarray"))]
+fn record<B: ProjectionKernels, C: CheckpointStrategy, const N: usize>(
+    nodes: [burn::backend::autodiff::ops::NodeGuard; N],
+    inputs: ProjectionInputs<B>,
+) -> FloatTensor<Autodiff<B, C>>
+where
+    ProjectionBackward<N>: Backward<B, N, State = ProjectionInputs<B>>,
+{
+    let forward = |inputs: &ProjectionInputs<B>| {
+        B::product(
+            (inputs.x.clone(), false),
+            (inputs.weight.clone(), false),
+            inputs.bias.clone(),
+        )
+    };
+    match ProjectionBackward::<N>
+        .prepare::<C>(nodes)
+        .compute_bound()
+        .stateful()
+    {
+        OpsKind::Tracked(prep) => {
+            let output = forward(&inputs);
+            prep.finish(inputs, output)
+        }
+        OpsKind::UnTracked(prep) => prep.finish(forward(&inputs)),
+    }
+}
+
+/// The projection's autodiff node over `N` parents: x, weight, and the bias when there is one.
+#[cfg(any(feature = "flex", feature = "ndarray"))]
+#[derive(Debug)]
+pub(crate) struct ProjectionBackward<const N: usize>;
+
+#[cfg(any(feature = "flex", feature = "ndarray"))]
+impl<B: ProjectionKernels, const N: usize> Backward<B, N> for ProjectionBackward<N> {
+    type State = ProjectionInputs<B>;
+
+    /// `dx = dY · Wᵀ`, `dW = xᵀ · dY`, `db = Σ_rows dY`, each for a tracked parent only and
+    /// registered once (what data-parallel training's per-parameter gradient sync counts on).
+    fn backward(self, ops: Ops<Self::State, N>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let output_grad = grads.consume::<B>(&ops.node);
+        let ProjectionInputs { x, weight, .. } = ops.state;
+        for (index, node) in ops.parents.into_iter().enumerate() {
+            let Some(node) = node else { continue };
+            let grad = match index {
+                0 => B::product((output_grad.clone(), false), (weight.clone(), true), None),
+                1 => B::product((x.clone(), true), (output_grad.clone(), false), None),
+                _ => B::row_sum(output_grad.clone()),
+            };
+            grads.register::<B>(node.id, grad);
+        }
     }
 }
 
@@ -82,14 +239,12 @@ pub(crate) fn native_linear(_: &Linear, _: &Tensor<3>) -> Option<Tensor<3>> {
 }
 
 /// `linear(x)`, `[batch, seq, d_output]`, through the projection op where it runs natively (an
-/// f32 input on flex or ndarray without autodiff); `None` elsewhere, for `Linear::forward`.
+/// f32 input on flex or ndarray, with or without autodiff); `None` elsewhere, for
+/// `Linear::forward`.
 #[cfg(any(feature = "flex", feature = "ndarray"))]
 pub(crate) fn native_linear(linear: &Linear, x: &Tensor<3>) -> Option<Tensor<3>> {
     let device = x.device();
-    if device.is_autodiff()
-        || flash_kernel(&device) != Some(FlashKernel::Native)
-        || x.dtype() != DType::F32
-    {
+    if flash_kernel(&device) != Some(FlashKernel::Native) || x.dtype() != DType::F32 {
         return None;
     }
     let [batch, seq, d_input] = x.dims();
@@ -119,16 +274,24 @@ pub(crate) fn native_linear(linear: &Linear, x: &Tensor<3>) -> Option<Tensor<3>>
 #[cfg(all(test, feature = "flex", feature = "ndarray"))]
 mod tests {
     use super::*;
+    use burn::module::Module;
     use burn::nn::LinearConfig;
-    use burn::tensor::{Device, Distribution};
+    use burn::tensor::{Device, Distribution, FloatDType};
+
+    #[allow(deprecated)]
+    fn devices() -> [Device; 2] {
+        [Device::flex(), Device::ndarray()]
+    }
+
+    fn max_difference(actual: Tensor<3>, expected: Tensor<3>) -> f32 {
+        (actual - expected).abs().max().into_scalar::<f32>()
+    }
 
     /// The op equals `Linear::forward` with and without a bias, on a contiguous input and on a
-    /// transposed view, on both CPU backends; under autodiff and for f64 it is not taken.
+    /// transposed view, on both CPU backends; for f64 it is not taken.
     #[test]
     fn the_native_projection_equals_linear() {
-        #[allow(deprecated)]
-        let devices = [Device::flex(), Device::ndarray()];
-        for device in devices {
+        for device in devices() {
             device.seed(41);
             for bias in [true, false] {
                 let linear = LinearConfig::new(12, 20).with_bias(bias).init(&device);
@@ -139,16 +302,97 @@ mod tests {
                 for input in [x, transposed] {
                     let expected = linear.forward(input.clone());
                     let actual = native_linear(&linear, &input).expect("the native op runs");
-                    let difference = (actual - expected).abs().max().into_scalar::<f32>();
+                    let difference = max_difference(actual, expected);
                     assert!(difference <= 1e-5, "{device:?} bias {bias}: {difference}");
                 }
             }
             let x = Tensor::<3>::zeros([1, 2, 12], &device);
-            let tracked = Tensor::<3>::zeros([1, 2, 12], &device.clone().autodiff());
             let linear = LinearConfig::new(12, 20).init(&device);
-            assert!(native_linear(&linear, &x.cast(burn::tensor::FloatDType::F64)).is_none());
-            let on_autodiff = LinearConfig::new(12, 20).init(&device.clone().autodiff());
-            assert!(native_linear(&on_autodiff, &tracked).is_none());
+            assert!(native_linear(&linear, &x.cast(FloatDType::F64)).is_none());
+        }
+    }
+
+    /// Under autodiff the op's output and the gradients of the input, the weight and the bias
+    /// equal `Linear`'s (Burn's own backward), with and without a bias, for a contiguous and a
+    /// transposed input, with the input tracked or not, on both CPU backends; a frozen module
+    /// gets no gradient through it.
+    #[test]
+    fn the_native_projection_trains_as_linear_does() {
+        for device in devices() {
+            let device = device.autodiff();
+            device.seed(43);
+            for (bias, transposed, input_tracked) in [
+                (true, false, true),
+                (false, false, true),
+                (true, true, true),
+                (true, false, false),
+            ] {
+                let linear = LinearConfig::new(12, 20).with_bias(bias).init(&device);
+                let x = match transposed {
+                    false => {
+                        Tensor::<3>::random([2, 7, 12], Distribution::Normal(0.0, 1.0), &device)
+                    }
+                    true => {
+                        Tensor::<3>::random([2, 12, 7], Distribution::Normal(0.0, 1.0), &device)
+                            .swap_dims(1, 2)
+                    }
+                };
+                let x = x.set_require_grad(input_tracked);
+                // A loss whose gradient differs per element, so that a transposed or summed
+                // gradient cannot pass.
+                let weights =
+                    Tensor::<3>::random([2, 7, 20], Distribution::Normal(0.0, 1.0), &device);
+                let ours = native_linear(&linear, &x).expect("the native op runs");
+                let burns = linear.forward(x.clone());
+                let case = format!("{device:?} bias {bias} transposed {transposed}");
+                assert!(
+                    max_difference(ours.clone(), burns.clone()) <= 1e-5,
+                    "{case}: output"
+                );
+                let ours = (ours * weights.clone()).sum().backward();
+                let burns = (burns * weights).sum().backward();
+                let [actual, expected] = [&ours, &burns].map(|grads| {
+                    linear
+                        .weight
+                        .grad(grads)
+                        .expect("a weight gradient")
+                        .unsqueeze()
+                });
+                let difference = max_difference(actual, expected);
+                assert!(
+                    difference <= 1e-4,
+                    "{case}: weight gradient off by {difference}"
+                );
+                if let Some(bias_param) = &linear.bias {
+                    let [actual, expected] = [&ours, &burns]
+                        .map(|grads| bias_param.grad(grads).expect("a bias gradient").unsqueeze());
+                    let difference = max_difference(actual, expected);
+                    assert!(
+                        difference <= 1e-4,
+                        "{case}: bias gradient off by {difference}"
+                    );
+                }
+                match input_tracked {
+                    true => {
+                        let [actual, expected] =
+                            [&ours, &burns].map(|grads| x.grad(grads).expect("an input gradient"));
+                        let difference = max_difference(actual, expected);
+                        assert!(
+                            difference <= 1e-4,
+                            "{case}: input gradient off by {difference}"
+                        );
+                    }
+                    false => assert!(x.grad(&ours).is_none(), "{case}: untracked input"),
+                }
+            }
+            let frozen = LinearConfig::new(12, 20).init(&device).no_grad();
+            let x = Tensor::<3>::ones([1, 3, 12], &device).require_grad();
+            let grads = native_linear(&frozen, &x).expect("runs").sum().backward();
+            assert!(
+                frozen.weight.grad(&grads).is_none(),
+                "a frozen weight got a gradient"
+            );
+            assert!(x.grad(&grads).is_some(), "the input lost its gradient");
         }
     }
 }

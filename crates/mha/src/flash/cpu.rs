@@ -237,25 +237,31 @@ fn forward_writing_weights<B: CpuStorage>(
     Some((forward, weights))
 }
 
-/// `x · weight + bias` on f32 storage (`[1, 1, rows, d_input]` by `[1, 1, d_input, d_output]`,
-/// bias `[1, 1, 1, d_output]`): the bias written into each output row, the product accumulated
-/// onto it by one GEMM on rayon's threads; `None` for inputs it does not take.
+/// `lhs · rhs (+ bias)` on f32 storage, either factor read transposed through its strides:
+/// matrices are `[1, 1, rows, columns]` tensors, the bias `[1, 1, 1, columns]` written into
+/// each output row and the product accumulated onto it by one GEMM on rayon's threads. A
+/// projection (`x · W + b`) and its input and weight gradients (`dY · Wᵀ`, `xᵀ · dY`), each
+/// into a buffer the result then owns; `None` for inputs it does not take.
 ///
 /// # Panics
 ///
 /// If the shapes do not fit a product.
-pub(crate) fn project<B: CpuStorage>(
-    x: &FloatTensor<B>,
-    weight: &FloatTensor<B>,
+pub(crate) fn product<B: CpuStorage>(
+    (lhs, transpose_lhs): (&FloatTensor<B>, bool),
+    (rhs, transpose_rhs): (&FloatTensor<B>, bool),
     bias: Option<&FloatTensor<B>>,
 ) -> Option<FloatTensor<B>> {
-    let [x, weight] = [B::readable(x)?, B::readable(weight)?];
+    let [lhs, rhs] = [B::readable(lhs)?, B::readable(rhs)?];
     let bias = match bias {
         Some(bias) => Some(B::readable(bias)?),
         None => None,
     };
-    let lhs = HeadsView::of::<B>(&x)?.head(0, 0);
-    let rhs = HeadsView::of::<B>(&weight)?.head(0, 0);
+    let lhs = HeadsView::of::<B>(&lhs)?
+        .head(0, 0)
+        .transposed_if(transpose_lhs);
+    let rhs = HeadsView::of::<B>(&rhs)?
+        .head(0, 0)
+        .transposed_if(transpose_rhs);
     let (rows, columns) = (lhs.rows, rhs.columns);
     let mut output = vec![0.0f32; rows * columns];
     if let Some(bias) = &bias {
@@ -277,6 +283,30 @@ pub(crate) fn project<B: CpuStorage>(
     };
     gemm_with(&mut product, bias.is_some(), lhs, rhs, 1.0, parallelism);
     Some(B::contiguous(output, [1, 1, rows, columns]))
+}
+
+/// The sum of a `[1, 1, rows, columns]` f32 matrix's rows, `[1, 1, 1, columns]` (a
+/// projection's bias gradient); `None` for inputs it does not take.
+pub(crate) fn row_sum<B: CpuStorage>(matrix: &FloatTensor<B>) -> Option<FloatTensor<B>> {
+    let readable = B::readable(matrix)?;
+    let matrix = HeadsView::of::<B>(&readable)?.head(0, 0);
+    let mut sums = vec![0.0f32; matrix.columns];
+    for row in 0..matrix.rows {
+        let start = row * matrix.row_stride;
+        match matrix.column_stride {
+            1 => {
+                let values = &matrix.values[start..start + matrix.columns];
+                sums.iter_mut()
+                    .zip(values)
+                    .for_each(|(sum, value)| *sum += value);
+            }
+            stride => sums
+                .iter_mut()
+                .enumerate()
+                .for_each(|(column, sum)| *sum += matrix.values[start + column * stride]),
+        }
+    }
+    Some(B::contiguous(sums, [1, 1, 1, matrix.columns]))
 }
 
 /// The backward on f32 storage; `None` for inputs it does not take.
@@ -575,6 +605,13 @@ impl<'a> Matrix<'a> {
             row_stride: self.column_stride,
             column_stride: self.row_stride,
             ..self
+        }
+    }
+
+    fn transposed_if(self, transpose: bool) -> Self {
+        match transpose {
+            true => self.transposed(),
+            false => self,
         }
     }
 

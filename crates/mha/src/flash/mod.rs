@@ -39,7 +39,7 @@ mod cpu;
 #[cfg(feature = "cube")]
 mod cube;
 #[cfg(any(feature = "flex", feature = "ndarray"))]
-pub(crate) use cpu::project as cpu_project;
+pub(crate) use cpu::{product as cpu_product, row_sum as cpu_row_sum};
 mod generic;
 #[cfg(any(feature = "flex", feature = "ndarray"))]
 mod simd;

@@ -1,0 +1,1 @@
+//! Feature unification for the workspace (no code): see this crate's `Cargo.toml`.
