@@ -221,6 +221,8 @@ impl<B: ProjectionKernels, const N: usize> Backward<B, N> for ProjectionBackward
     fn backward(self, ops: Ops<Self::State, N>, grads: &mut Gradients, _: &mut Checkpointer) {
         let output_grad = grads.consume::<B>(&ops.node);
         let ProjectionInputs { x, weight, .. } = ops.state;
+        #[cfg(test)]
+        let mut registered = Vec::new();
         for (index, node) in ops.parents.into_iter().enumerate() {
             let Some(node) = node else { continue };
             let grad = match index {
@@ -228,8 +230,19 @@ impl<B: ProjectionKernels, const N: usize> Backward<B, N> for ProjectionBackward
                 1 => B::product((x.clone(), true), (output_grad.clone(), false), None),
                 _ => B::row_sum(output_grad.clone()),
             };
+            #[cfg(test)]
+            registered.push(node.id.value);
             grads.register::<B>(node.id, grad);
         }
+        #[cfg(test)]
+        crate::flash::registrations::record(
+            ops.node
+                .parents
+                .iter()
+                .map(|parent| parent.id.value)
+                .collect(),
+            registered,
+        );
     }
 }
 
@@ -314,8 +327,9 @@ mod tests {
 
     /// Under autodiff the op's output and the gradients of the input, the weight and the bias
     /// equal `Linear`'s (Burn's own backward), with and without a bias, for a contiguous and a
-    /// transposed input, with the input tracked or not, on both CPU backends; a frozen module
-    /// gets no gradient through it.
+    /// transposed input, with the input tracked or not, on both CPU backends, each tracked
+    /// parent's gradient registered exactly once (what data-parallel training's gradient sync
+    /// counts); a frozen module gets no gradient through it.
     #[test]
     fn the_native_projection_trains_as_linear_does() {
         for device in devices() {
@@ -349,7 +363,15 @@ mod tests {
                     max_difference(ours.clone(), burns.clone()) <= 1e-5,
                     "{case}: output"
                 );
+                crate::flash::registrations::take();
                 let ours = (ours * weights.clone()).sum().backward();
+                let log = crate::flash::registrations::take();
+                assert_eq!(log.len(), 1, "{case}: one projection node ran its backward");
+                for (mut declared, mut registered) in log {
+                    declared.sort_unstable();
+                    registered.sort_unstable();
+                    assert_eq!(registered, declared, "{case}: each parent registered once");
+                }
                 let burns = (burns * weights).sum().backward();
                 let [actual, expected] = [&ours, &burns].map(|grads| {
                     linear
