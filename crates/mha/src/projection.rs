@@ -16,7 +16,7 @@ use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 #[cfg(any(feature = "flex", feature = "ndarray"))]
 use burn::backend::ops::FloatTensorOps;
 use burn::backend::tensor::FloatTensor;
-use burn::backend::{Autodiff, Backend, TensorMetadata, backend_extension};
+use burn::backend::{Autodiff, Backend, backend_extension};
 use burn::nn::Linear;
 use burn::tensor::{DType, Tensor};
 
@@ -135,46 +135,26 @@ impl<B: ProjectionKernels, C: CheckpointStrategy> ProjectionBackend for Autodiff
     ) -> FloatTensor<Self> {
         let bias = bias.into_option();
         let [x_node, weight_node] = [x.node(), weight.node()];
-        let inputs = ProjectionInputs::<B> {
+        let operands = ProjectionOperands::<B> {
             x: x.into_primitive(),
             weight: weight.into_primitive(),
-            bias: bias.as_ref().map(|bias| bias.clone().into_primitive()),
         };
         match bias {
-            None => record::<B, C, 2>([x_node, weight_node], inputs),
-            Some(bias) => record::<B, C, 3>([x_node, weight_node, bias.node()], inputs),
+            None => record::<B, C, 2>([x_node, weight_node], operands, None),
+            Some(bias) => {
+                let nodes = [x_node, weight_node, bias.node()];
+                record::<B, C, 3>(nodes, operands, Some(bias.into_primitive()))
+            }
         }
     }
 }
 
-/// A projection's operands, kept for its backward.
+/// What a projection's backward reads: the factors of `x · W` (the bias's gradient needs none).
 #[cfg(any(feature = "flex", feature = "ndarray"))]
-pub(crate) struct ProjectionInputs<B: Backend> {
+#[derive(Debug, Clone)]
+pub(crate) struct ProjectionOperands<B: Backend> {
     x: FloatTensor<B>,
     weight: FloatTensor<B>,
-    bias: Option<FloatTensor<B>>,
-}
-
-#[cfg(any(feature = "flex", feature = "ndarray"))]
-impl<B: Backend> std::fmt::Debug for ProjectionInputs<B> {
-    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        formatter
-            .debug_struct("ProjectionInputs")
-            .field("x", &self.x.shape())
-            .field("weight", &self.weight.shape())
-            .finish()
-    }
-}
-
-#[cfg(any(feature = "flex", feature = "ndarray"))]
-impl<B: Backend> Clone for ProjectionInputs<B> {
-    fn clone(&self) -> Self {
-        Self {
-            x: self.x.clone(),
-            weight: self.weight.clone(),
-            bias: self.bias.clone(),
-        }
-    }
 }
 
 /// Runs the forward and, when a parent is tracked, records the node that will run the
@@ -182,16 +162,17 @@ impl<B: Backend> Clone for ProjectionInputs<B> {
 #[cfg(any(feature = "flex", feature = "ndarray"))]
 fn record<B: ProjectionKernels, C: CheckpointStrategy, const N: usize>(
     nodes: [burn::backend::autodiff::ops::NodeGuard; N],
-    inputs: ProjectionInputs<B>,
+    operands: ProjectionOperands<B>,
+    bias: Option<FloatTensor<B>>,
 ) -> FloatTensor<Autodiff<B, C>>
 where
-    ProjectionBackward<N>: Backward<B, N, State = ProjectionInputs<B>>,
+    ProjectionBackward<N>: Backward<B, N, State = ProjectionOperands<B>>,
 {
-    let forward = |inputs: &ProjectionInputs<B>| {
+    let forward = |operands: &ProjectionOperands<B>| {
         B::product(
-            (inputs.x.clone(), false),
-            (inputs.weight.clone(), false),
-            inputs.bias.clone(),
+            (operands.x.clone(), false),
+            (operands.weight.clone(), false),
+            bias,
         )
     };
     match ProjectionBackward::<N>
@@ -200,10 +181,10 @@ where
         .stateful()
     {
         OpsKind::Tracked(prep) => {
-            let output = forward(&inputs);
-            prep.finish(inputs, output)
+            let output = forward(&operands);
+            prep.finish(operands, output)
         }
-        OpsKind::UnTracked(prep) => prep.finish(forward(&inputs)),
+        OpsKind::UnTracked(prep) => prep.finish(forward(&operands)),
     }
 }
 
@@ -214,13 +195,13 @@ pub(crate) struct ProjectionBackward<const N: usize>;
 
 #[cfg(any(feature = "flex", feature = "ndarray"))]
 impl<B: ProjectionKernels, const N: usize> Backward<B, N> for ProjectionBackward<N> {
-    type State = ProjectionInputs<B>;
+    type State = ProjectionOperands<B>;
 
     /// `dx = dY · Wᵀ`, `dW = xᵀ · dY`, `db = Σ_rows dY`, each for a tracked parent only and
     /// registered once (what data-parallel training's per-parameter gradient sync counts on).
     fn backward(self, ops: Ops<Self::State, N>, grads: &mut Gradients, _: &mut Checkpointer) {
         let output_grad = grads.consume::<B>(&ops.node);
-        let ProjectionInputs { x, weight, .. } = ops.state;
+        let ProjectionOperands { x, weight } = ops.state;
         #[cfg(test)]
         let mut registered = Vec::new();
         for (index, node) in ops.parents.into_iter().enumerate() {
