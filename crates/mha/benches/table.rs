@@ -81,15 +81,18 @@ fn device(name: &str) -> Device {
 }
 
 /// Runs each case once to warm up, then alternately (so that drift in the machine's speed hits
-/// both alike) until `budget` is spent, at least 3 and at most 15 times each; returns the
-/// medians in milliseconds.
-fn interleaved_medians(budget: Duration, cases: &mut [Box<dyn FnMut() -> f32 + '_>]) -> Vec<f64> {
+/// both alike) until `budget` is spent, at least 3 and at most `max_runs` times each; returns
+/// the medians in milliseconds.
+fn interleaved_medians(
+    (budget, max_runs): (Duration, usize),
+    cases: &mut [Box<dyn FnMut() -> f32 + '_>],
+) -> Vec<f64> {
     for case in cases.iter_mut() {
         assert!(case().is_finite(), "non-finite result");
     }
     let mut times = vec![Vec::new(); cases.len()];
     let started = Instant::now();
-    while times[0].len() < 3 || (started.elapsed() < budget && times[0].len() < 15) {
+    while times[0].len() < 3 || (started.elapsed() < budget && times[0].len() < max_runs) {
         for (case, times) in cases.iter_mut().zip(&mut times) {
             let t = Instant::now();
             std::hint::black_box(case());
@@ -187,6 +190,7 @@ fn main() {
     let mut shapes: Vec<Shape> = SHAPES.iter().map(|s| Shape::parse(s)).collect();
     let mut modes = vec![Mode::Forward, Mode::ForwardWeights, Mode::ForwardBackward];
     let mut budget = Duration::from_secs(3);
+    let mut max_runs = 15;
     let mut path = AttentionPath::Auto;
     let mut with_burn = true;
     let mut args = std::env::args().skip(1);
@@ -223,6 +227,9 @@ fn main() {
             // `--ours-only`: no Burn column, for profiling this module alone (`perf record`).
             "--ours-only" => with_burn = false,
             "--budget-s" => budget = Duration::from_secs_f64(value().parse().expect("seconds")),
+            // `--max-runs`: 15 by default, as PyTorch's script; more to profile a small shape's
+            // steady state rather than its first calls.
+            "--max-runs" => max_runs = value().parse().expect("a count"),
             // `cargo bench` passes `--bench`; the other libtest flags mean nothing here.
             _ => {}
         }
@@ -250,7 +257,7 @@ fn main() {
                 if with_burn {
                     cases.push(burn(shape, mode, &device));
                 }
-                let medians = interleaved_medians(budget, &mut cases);
+                let medians = interleaved_medians((budget, max_runs), &mut cases);
                 let ours = medians[0];
                 let burn_cells = match medians.get(1) {
                     Some(burn) => format!(

@@ -23,8 +23,8 @@ use burn::backend::tensor::FloatTensor;
 use burn::backend::{Backend, DType, TensorData, TensorMetadata};
 use rayon::prelude::*;
 
-use super::simd;
 use super::{FlashForward, FlashGrads, FlashInputs, FlashParams, FlashState};
+use super::{recycle, simd};
 use crate::geometry::Geometry;
 
 /// A CPU backend whose float tensors this kernel reads and writes in place.
@@ -42,6 +42,17 @@ pub(crate) trait CpuStorage: Backend {
 
     /// A contiguous tensor of `shape` over `values`, without a copy.
     fn contiguous(values: Vec<f32>, shape: [usize; 4]) -> FloatTensor<Self>;
+
+    /// A buffer for an output of `length` elements, every one of which the caller writes (its
+    /// values are unspecified).
+    fn output_buffer(length: usize) -> Vec<f32> {
+        recycle::buffer(length)
+    }
+
+    /// A buffer of `length` elements, each `value`.
+    fn filled_buffer(length: usize, value: f32) -> Vec<f32> {
+        recycle::filled(length, value)
+    }
 }
 
 #[cfg(feature = "flex")]
@@ -74,7 +85,7 @@ impl CpuStorage for burn::backend::Flex {
         let [_, heads, seq, dim] = shape;
         let strides = [seq * heads * dim, dim, heads * dim, 1].map(|s| s as isize);
         FlexTensor::new(
-            burn::backend::Bytes::from_elems(values),
+            recycle::into_bytes(values),
             Layout::new(burn::backend::Shape::new(shape), strides.to_vec(), 0),
             DType::F32,
         )
@@ -83,7 +94,7 @@ impl CpuStorage for burn::backend::Flex {
     fn contiguous(values: Vec<f32>, shape: [usize; 4]) -> FloatTensor<Self> {
         use burn::backend::flex::{FlexTensor, Layout};
         FlexTensor::new(
-            burn::backend::Bytes::from_elems(values),
+            recycle::into_bytes(values),
             Layout::contiguous(burn::backend::Shape::new(shape)),
             DType::F32,
         )
@@ -187,18 +198,16 @@ fn forward_writing_weights<B: CpuStorage>(
         ..
     } = geometry;
     let output_shape = [batch, n_heads, seq_q, value_dim];
-    let mut output = vec![0.0f32; batch * n_heads * seq_q * value_dim];
+    // Every element of these is written (recycled buffers hold an earlier call's values).
+    let mut output = B::output_buffer(batch * n_heads * seq_q * value_dim);
     // Per query: the score maximum and the inverse sum of exponentials.
-    let mut softmax_stats = vec![0.0f32; batch * n_heads * seq_q * 2];
+    let stats_shape = [batch, n_heads, seq_q, 2];
+    let mut softmax_stats = B::output_buffer(stats_shape.iter().product());
     let weights_shape = [batch, n_heads, seq_q, seq_k];
-    let mut weights = vec![
-        0.0f32;
-        if with_weights {
-            weights_shape.iter().product()
-        } else {
-            0
-        }
-    ];
+    let mut weights = B::output_buffer(match with_weights {
+        true => weights_shape.iter().product(),
+        false => 0,
+    });
     let head_weights: Vec<Option<&mut [f32]>> = match with_weights && seq_q * seq_k > 0 {
         true => weights.chunks_mut(seq_q * seq_k).map(Some).collect(),
         false => (0..batch * n_heads).map(|_| None).collect(),
@@ -224,16 +233,11 @@ fn forward_writing_weights<B: CpuStorage>(
             kernel.forward_head(scratch, (b, h), head);
         },
     );
-    let device = inputs.query.device();
     let forward = FlashForward {
         output: B::sequence_major(output, output_shape),
-        softmax_stats: B::float_from_data(
-            TensorData::new(softmax_stats, [batch, n_heads, seq_q, 2]),
-            &device,
-        ),
+        softmax_stats: B::contiguous(softmax_stats, stats_shape),
     };
-    let weights =
-        with_weights.then(|| B::float_from_data(TensorData::new(weights, weights_shape), &device));
+    let weights = with_weights.then(|| B::contiguous(weights, weights_shape));
     Some((forward, weights))
 }
 
@@ -263,7 +267,8 @@ pub(crate) fn product<B: CpuStorage>(
         .head(0, 0)
         .transposed_if(transpose_rhs);
     let (rows, columns) = (lhs.rows, rhs.columns);
-    let mut output = vec![0.0f32; rows * columns];
+    // Every element is written: the bias rows, or the product alone.
+    let mut output = B::output_buffer(rows * columns);
     if let Some(bias) = &bias {
         let bias = HeadsView::of::<B>(bias)?.row(0, 0, 0);
         assert_eq!(
@@ -347,13 +352,14 @@ pub(super) fn backward<B: CpuStorage>(
         key: [batch, n_kv_heads, seq_k, head_dim],
         value: [batch, n_kv_heads, seq_k, value_dim],
     };
-    let mut query_grad = vec![0.0f32; batch * n_heads * seq_q * head_dim];
+    // Every element is written.
+    let mut query_grad = B::output_buffer(batch * n_heads * seq_q * head_dim);
     // GEMMs accumulate into these, so they are filled with -0.0 (-0.0 + x = x): zeros would be
     // untouched pages that the first accumulating read maps to the shared zero page, and the
     // write after it would then take a copy-on-write fault and a TLB shootdown of every other
     // core, page by page (15% of a training step at batch 4, 512 tokens, d_model 512).
-    let mut key_grad = vec![-0.0f32; batch * n_kv_heads * seq_k * head_dim];
-    let mut value_grad = vec![-0.0f32; batch * n_kv_heads * seq_k * value_dim];
+    let mut key_grad = B::filled_buffer(batch * n_kv_heads * seq_k * head_dim, -0.0);
+    let mut value_grad = B::filled_buffer(batch * n_kv_heads * seq_k * value_dim, -0.0);
     let buffers = GradBuffers {
         query: SharedBuffer::new(&mut query_grad),
         key: SharedBuffer::new(&mut key_grad),
@@ -615,6 +621,15 @@ impl<'a> Matrix<'a> {
         }
     }
 
+    /// Columns `start..start + count`.
+    ///
+    /// # Panics
+    ///
+    /// If they are not columns of the matrix.
+    fn columns(self, start: usize, count: usize) -> Self {
+        self.transposed().rows(start, count).transposed()
+    }
+
     /// Rows `start..start + count`.
     ///
     /// # Panics
@@ -869,16 +884,77 @@ struct HeadOutputs<'s, 'm, 'b> {
 
 #[derive(Default)]
 struct ForwardScratch {
+    block: ForwardBlockScratch,
+    /// The head's keys as `[head_dim, seq_k]` ([`transposed_copy`]).
+    transposed_key: Vec<f32>,
+}
+
+#[derive(Default)]
+struct ForwardBlockScratch {
     scores: Vec<f32>,
     inverse_sums: Vec<f32>,
 }
 
 #[derive(Default)]
 struct BackwardScratch {
+    block: BackwardBlockScratch,
+    /// The key/value head's keys and values as `[dim, seq_k]` ([`transposed_copy`]).
+    transposed_key: Vec<f32>,
+    transposed_value: Vec<f32>,
+}
+
+#[derive(Default)]
+struct BackwardBlockScratch {
     probabilities: Vec<f32>,
     score_grads: Vec<f32>,
     /// `1 - tanh²` of the capped scores, under a soft cap.
     cap_derivatives: Vec<f32>,
+}
+
+/// A key/value head's keys and values as `[dim, seq_k]` matrices: the right-hand factors of
+/// `Q Kᵀ` and `dO Vᵀ`.
+#[derive(Clone, Copy)]
+struct TransposedHead<'t> {
+    key: Matrix<'t>,
+    value: Matrix<'t>,
+}
+
+/// `matrix` (`[rows, columns]`, any strides) copied into `buffer` as its `[columns, rows]`
+/// transpose with unit column stride.
+///
+/// Why: `gemm` packs the left-hand factor of its (row-major destination) problems in panels
+/// along the destination's columns, so `Q Kᵀ` and `dO Vᵀ` have it pack `K` and `V` with
+/// each panel gathered element by element across rows `d_model` floats apart, which alias
+/// in the L1 cache (1.7 ns an element; 14% of a training step at (1, 2048, 512, 8)), and
+/// again for every query block of the head. From this copy, made once per head, the packing
+/// is a sequence of contiguous copies.
+fn transposed_copy<'b>(buffer: &'b mut Vec<f32>, matrix: Matrix) -> Matrix<'b> {
+    let (rows, columns) = (matrix.rows, matrix.columns);
+    // A row stride that is not a multiple of a large power of two, for the same aliasing.
+    let stride = rows.next_multiple_of(16) + 16;
+    let values = grown(buffer, columns * stride);
+    const ROW_BLOCK: usize = 16;
+    for first_row in (0..rows).step_by(ROW_BLOCK) {
+        let block_rows = ROW_BLOCK.min(rows - first_row);
+        let source = matrix.rows(first_row, block_rows);
+        for (column, out) in values.chunks_exact_mut(stride).enumerate() {
+            let out = &mut out[first_row..first_row + block_rows];
+            for (row, slot) in out.iter_mut().enumerate() {
+                *slot = source.values[row * source.row_stride + column * source.column_stride];
+            }
+        }
+    }
+    Matrix::new(values, columns, rows, stride, 1)
+}
+
+/// The first `length` elements of `buffer`, grown (zero-filled) if it is shorter: a scratch
+/// buffer whose elements the caller overwrites, so the part reused from earlier calls is not
+/// cleared again.
+fn grown(buffer: &mut Vec<f32>, length: usize) -> &mut [f32] {
+    if buffer.len() < length {
+        buffer.resize(length, 0.0);
+    }
+    &mut buffer[..length]
 }
 
 /// What the backward reads of the forward and of the output gradient.
@@ -1011,31 +1087,27 @@ impl<'a> Kernel<'a> {
         }
     }
 
-    /// `scores` ← the `[q_len, keys.len()]` score block of queries `q_start..q_start + q_len`
-    /// of head `(b, h)` over keys `keys`: `cap(scale · Q Kᵀ) + bias`, hidden keys at `-inf`.
-    /// Under a soft cap, `cap_derivatives` (if given) ← `1 - tanh²` of the same block.
-    fn score_block(
+    /// The `[q_len, keys.len()]` score block of queries `q_start..q_start + q_len` of head
+    /// `(b, h)` over keys `keys`, in `scores`: `cap(scale · Q Kᵀ) + bias`, hidden keys at
+    /// `-inf`; `key_t` is the head's `Kᵀ`. Under a soft cap, `cap_derivatives` (if given) ←
+    /// `1 - tanh²` of the same block.
+    fn score_block<'s>(
         &self,
-        scores: &mut Vec<f32>,
+        scores: &'s mut Vec<f32>,
         cap_derivatives: Option<&mut Vec<f32>>,
         (b, h): (usize, usize),
         (q_start, q_len): (usize, usize),
-        keys: &Range<usize>,
-    ) {
+        (keys, key_t): (&Range<usize>, Matrix),
+    ) -> &'s mut [f32] {
         let width = keys.len();
-        scores.clear();
-        scores.resize(q_len * width, 0.0);
+        let scores = grown(scores, q_len * width);
         let query = self.query.head(b, h).rows(q_start, q_len);
-        let key = self
-            .key
-            .head(b, self.geometry.kv_head(h))
-            .rows(keys.start, width);
         let mut block = MatrixMut::from_slice(scores, q_len, width, width);
         gemm(
             &mut block,
             false,
             query,
-            key.transposed(),
+            key_t.columns(keys.start, width),
             self.params.scale as f32,
         );
         if let Some(cap) = self.params.softcap {
@@ -1048,6 +1120,37 @@ impl<'a> Kernel<'a> {
         }
         for (row, row_scores) in scores.chunks_exact_mut(width).enumerate() {
             self.mask_row(row_scores, (b, h), q_start + row, keys);
+        }
+        scores
+    }
+
+    /// Head `(b, kv_head)`'s keys and values as `[dim, seq_k]`: copied ([`transposed_copy`])
+    /// when the backward reads them for more than one score block (the query blocks of every
+    /// query head of the group), their strided views otherwise (a copy would cost what the one
+    /// packing saves).
+    ///
+    /// The forward makes the same choice although it reads a copy for one query head only:
+    /// `gemm` may round a score differently from the two layouts (another kernel, FMA or not),
+    /// and the backward's recomputed probabilities must be the forward's to the last bit, or a
+    /// saturated row's gradient stops being exactly zero.
+    fn transposed_head<'t>(
+        &'t self,
+        (transposed_key, transposed_value): (&'t mut Vec<f32>, Option<&'t mut Vec<f32>>),
+        (b, kv_head): (usize, usize),
+    ) -> TransposedHead<'t> {
+        let [key, value] = [&self.key, &self.value].map(|view| view.head(b, kv_head));
+        match self.geometry.groups() * self.query_blocks().count() > 1 {
+            true => TransposedHead {
+                key: transposed_copy(transposed_key, key),
+                value: match transposed_value {
+                    Some(buffer) => transposed_copy(buffer, value),
+                    None => value.transposed(),
+                },
+            },
+            false => TransposedHead {
+                key: key.transposed(),
+                value: value.transposed(),
+            },
         }
     }
 
@@ -1128,6 +1231,14 @@ impl<'a> Kernel<'a> {
             output,
             mut weights,
         } = outputs;
+        let ForwardScratch {
+            block: block_scratch,
+            transposed_key,
+        } = scratch;
+        let (b, h) = head;
+        let key_t = self
+            .transposed_head((transposed_key, None), (b, self.geometry.kv_head(h)))
+            .key;
         for (q_start, q_len) in self.query_blocks() {
             let mut output_rows = output.rows(q_start, q_len);
             let block = HeadOutputs {
@@ -1137,15 +1248,15 @@ impl<'a> Kernel<'a> {
                     .as_deref_mut()
                     .map(|weights| &mut weights[q_start * seq_k..(q_start + q_len) * seq_k]),
             };
-            self.forward_query_block(scratch, head, (q_start, q_len), block);
+            self.forward_query_block(block_scratch, (head, key_t), (q_start, q_len), block);
         }
     }
 
     /// Writes one query block's output rows, softmax statistics and, when asked for, weights.
     fn forward_query_block(
         &self,
-        scratch: &mut ForwardScratch,
-        head: (usize, usize),
+        scratch: &mut ForwardBlockScratch,
+        (head, key_t): ((usize, usize), Matrix),
         queries: (usize, usize),
         outputs: HeadOutputs,
     ) {
@@ -1158,9 +1269,8 @@ impl<'a> Kernel<'a> {
         let sink = self.sinks.map(|sinks| sinks[h]);
         let keys = self.key_range(b, queries);
         if keys.is_empty() {
-            // No query of the block sees a key: zero output and weights (the buffers start at
-            // zero), and statistics that make every recomputed probability 0 (the sink's alone
-            // is 1).
+            // No query of the block sees a key: zero output and weights, and statistics that
+            // make every recomputed probability 0 (the sink's alone is 1).
             let row_stats = match sink {
                 Some(sink) => [sink, 1.0],
                 None => [f32::MIN, 0.0],
@@ -1168,14 +1278,20 @@ impl<'a> Kernel<'a> {
             for stats in stats.chunks_exact_mut(2) {
                 stats.copy_from_slice(&row_stats);
             }
+            for row in 0..queries.1 {
+                output.row(row).fill(0.0);
+            }
+            if let Some(weights) = weights {
+                weights.fill(0.0);
+            }
             return;
         }
         let (q_len, width) = (queries.1, keys.len());
-        let ForwardScratch {
+        let ForwardBlockScratch {
             scores,
             inverse_sums,
         } = scratch;
-        self.score_block(scores, None, head, queries, &keys);
+        let scores = self.score_block(scores, None, head, queries, (&keys, key_t));
         inverse_sums.clear();
         for (row_scores, row_stats) in scores
             .chunks_exact_mut(width)
@@ -1186,13 +1302,14 @@ impl<'a> Kernel<'a> {
             row_stats.copy_from_slice(&[max, inverse_sum]);
         }
         if let Some(weights) = weights {
-            // Keys outside `keys` keep their zero weight.
             let seq_k = self.geometry.seq_k;
             for ((weights_row, numerators), inverse_sum) in weights
                 .chunks_exact_mut(seq_k)
                 .zip(scores.chunks_exact(width))
                 .zip(inverse_sums.iter())
             {
+                weights_row[..keys.start].fill(0.0);
+                weights_row[keys.end..].fill(0.0);
                 for (weight, numerator) in weights_row[keys.clone()].iter_mut().zip(numerators) {
                     *weight = numerator * inverse_sum;
                 }
@@ -1231,6 +1348,13 @@ impl<'a> Kernel<'a> {
             value,
             sinks,
         } = grads;
+        let BackwardScratch {
+            block: block_scratch,
+            transposed_key,
+            transposed_value,
+        } = scratch;
+        let transposed =
+            self.transposed_head((transposed_key, Some(transposed_value)), (b, kv_head));
         for (group_index, query_grad) in query.iter_mut().enumerate() {
             let h = kv_head * groups + group_index;
             for queries in self.query_blocks() {
@@ -1243,7 +1367,13 @@ impl<'a> Kernel<'a> {
                         None => None,
                     },
                 };
-                self.backward_query_block(scratch, rows, (b, h), queries, &mut block_grads);
+                self.backward_query_block(
+                    block_scratch,
+                    rows,
+                    ((b, h), transposed),
+                    queries,
+                    &mut block_grads,
+                );
             }
         }
     }
@@ -1255,27 +1385,36 @@ impl<'a> Kernel<'a> {
     // in the order of the formulas above.
     fn backward_query_block(
         &self,
-        scratch: &mut BackwardScratch,
+        scratch: &mut BackwardBlockScratch,
         rows: &SavedRows,
-        (b, h): (usize, usize),
+        ((b, h), transposed): ((usize, usize), TransposedHead),
         queries: (usize, usize),
         grads: &mut BlockGrads,
     ) {
         let (q_start, q_len) = queries;
         let keys = self.key_range(b, queries);
         if keys.is_empty() {
-            // The query gradient rows stay zero; nothing reaches the keys or the sink (D = 0).
+            // Zero query gradient rows; nothing reaches the keys or the sink (D = 0).
+            for row in 0..q_len {
+                grads.query.row(row).fill(0.0);
+            }
             return;
         }
         let width = keys.len();
         let scale = self.params.scale as f32;
         let kv_head = self.geometry.kv_head(h);
-        let BackwardScratch {
+        let BackwardBlockScratch {
             probabilities,
             score_grads,
             cap_derivatives,
         } = scratch;
-        self.score_block(probabilities, Some(cap_derivatives), (b, h), queries, &keys);
+        let probabilities = self.score_block(
+            probabilities,
+            Some(cap_derivatives),
+            (b, h),
+            queries,
+            (&keys, transposed.key),
+        );
         let sink = self.sinks.map(|sinks| sinks[h]);
         let mut sink_probabilities = vec![0.0f32; q_len];
         for (row, row_p) in probabilities.chunks_exact_mut(width).enumerate() {
@@ -1289,7 +1428,6 @@ impl<'a> Kernel<'a> {
         }
         let output_grad = rows.output_grad.head(b, h).rows(q_start, q_len);
         let probabilities = Matrix::new(probabilities, q_len, width, width, 1);
-        let value = self.value.head(b, kv_head).rows(keys.start, width);
         gemm(
             &mut grads.value.rows(keys.start, width),
             true,
@@ -1297,14 +1435,13 @@ impl<'a> Kernel<'a> {
             output_grad,
             1.0,
         );
-        score_grads.clear();
-        score_grads.resize(q_len * width, 0.0);
+        let score_grads = grown(score_grads, q_len * width);
         let mut probability_grads = MatrixMut::from_slice(score_grads, q_len, width, width);
         gemm(
             &mut probability_grads,
             false,
             output_grad,
-            value.transposed(),
+            transposed.value.columns(keys.start, width),
             1.0,
         );
         // D_i = Σ_j P_ij dP_ij from the row itself rather than FlashAttention-2's rowsum(dO ∘ O):
