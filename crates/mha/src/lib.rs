@@ -81,11 +81,12 @@ pub use rotary::{RopeConfig, RopeLayout, RopeScaling};
 #[cfg(feature = "pytorch")]
 pub mod pytorch;
 
-/// The CPU kernels' output buffers, recycled between calls on flex: the buffers the flash
-/// kernel and the projections hand to flex tensors go back to a bounded pool when the tensors
-/// drop, so that a loop of calls of one shape writes into memory that is already mapped instead
-/// of faulting fresh pages in on every call. The pool keeps at most [`POOL_BYTES`] idle.
 #[cfg(any(feature = "flex", feature = "ndarray"))]
 pub mod buffer_pool {
+    //! The CPU kernels' output buffers, recycled between calls on flex: the buffers the flash
+    //! kernel and the projections hand to flex tensors go back to a bounded pool when the
+    //! tensors drop, so that a loop of calls of one shape writes into memory that is already
+    //! mapped instead of faulting fresh pages in on every call. The pool keeps at most
+    //! [`POOL_BYTES`] idle, in buffers of 128 KiB to a quarter of that, oldest out first.
     pub use crate::flash::recycle::{POOL_BYTES, idle_bytes, release};
 }
