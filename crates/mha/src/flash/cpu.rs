@@ -1310,9 +1310,7 @@ impl<'a> Kernel<'a> {
             {
                 weights_row[..keys.start].fill(0.0);
                 weights_row[keys.end..].fill(0.0);
-                for (weight, numerator) in weights_row[keys.clone()].iter_mut().zip(numerators) {
-                    *weight = numerator * inverse_sum;
-                }
+                simd::scaled_copy(&mut weights_row[keys.clone()], numerators, *inverse_sum);
             }
         }
         // O = P V, then each row divided by its sum.

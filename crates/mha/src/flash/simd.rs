@@ -1,5 +1,5 @@
 //! Row kernels of the flex flash kernel — maximum, shifted exponential with its sum, dot
-//! product, softmax gradient — written as fixed-width lane loops that the compiler vectorises,
+//! product, scaled copy, softmax gradient — written as fixed-width lane loops that the compiler vectorises,
 //! compiled for AVX-512 and AVX2 + FMA and chosen at run time (as flex's GEMM is).
 
 const LANES: usize = 16;
@@ -94,6 +94,14 @@ dispatch! {
 }
 
 dispatch! {
+    fn scaled_copy(destination: &mut [f32], source: &[f32], factor: f32) -> () {
+        for (out, &value) in destination.iter_mut().zip(source) {
+            *out = value * factor;
+        }
+    }
+}
+
+dispatch! {
     fn softmax_grad(probability_grads: &mut [f32], probabilities: &[f32], row_dot: f32) -> () {
         for (grad, &p) in probability_grads.iter_mut().zip(probabilities) {
             *grad = p * (*grad - row_dot);
@@ -165,6 +173,12 @@ mod tests {
         assert!((sum - expected.iter().sum::<f32>()).abs() < 1e-5);
         let dot_expected: f32 = values.iter().zip(&expected).map(|(a, b)| a * b).sum();
         assert!((dot(&values, &expected) - dot_expected).abs() < 1e-4);
+        let mut copied = vec![0.0; values.len() + 3];
+        scaled_copy(&mut copied[1..], &values, 0.25);
+        assert_eq!(copied[0], 0.0);
+        for (c, v) in copied[1..].iter().zip(&values) {
+            assert_eq!(*c, v * 0.25);
+        }
         let mut grads = values.clone();
         softmax_grad(&mut grads, &expected, 0.5);
         for ((g, v), p) in grads.iter().zip(&values).zip(&expected) {
