@@ -243,9 +243,9 @@ fn forward_writing_weights<B: CpuStorage>(
 
 /// `lhs · rhs (+ bias)` on f32 storage, either factor read transposed through its strides:
 /// matrices are `[1, 1, rows, columns]` tensors, the bias `[1, 1, 1, columns]` written into
-/// each output row and the product accumulated onto it by one GEMM on rayon's threads. A
-/// projection (`x · W + b`) and its input and weight gradients (`dY · Wᵀ`, `xᵀ · dY`), each
-/// into a buffer the result then owns; `None` for inputs it does not take.
+/// each output row and the product accumulated onto it, on rayon's threads. A projection
+/// (`x · W + b`) and its input and weight gradients (`dY · Wᵀ`, `xᵀ · dY`), each into a buffer
+/// the result then owns; `None` for inputs it does not take.
 ///
 /// # Panics
 ///
@@ -266,28 +266,62 @@ pub(crate) fn product<B: CpuStorage>(
     let rhs = HeadsView::of::<B>(&rhs)?
         .head(0, 0)
         .transposed_if(transpose_rhs);
+    let bias = match &bias {
+        Some(bias) => Some(HeadsView::of::<B>(bias)?.row(0, 0, 0)),
+        None => None,
+    };
     let (rows, columns) = (lhs.rows, rhs.columns);
-    // Every element is written: the bias rows, or the product alone.
-    let mut output = B::output_buffer(rows * columns);
-    if let Some(bias) = &bias {
-        let bias = HeadsView::of::<B>(bias)?.row(0, 0, 0);
+    if let Some(bias) = bias {
         assert_eq!(
             bias.len(),
             columns,
             "projection: a bias of {} for {columns} outputs",
             bias.len()
         );
-        for row in output.chunks_exact_mut(columns) {
+    }
+    // Every element is written: the bias rows, or the product alone.
+    let mut output = B::output_buffer(rows * columns);
+    let threads = rayon::current_num_threads();
+    let parallel = rows * columns * lhs.columns >= 1 << 21;
+    if parallel && rows >= threads && columns > 0 {
+        // One task per thread, each writing the bias into its rows and multiplying onto them:
+        // filled on the calling thread, the bias rows were serial work between parallel GEMMs
+        // (5% of a forward's wall time at (8, 128, 256, 8), both workers idle meanwhile).
+        let task_rows = rows.div_ceil(threads);
+        output
+            .par_chunks_mut(task_rows * columns)
+            .enumerate()
+            .for_each(|(task, block)| {
+                let block_rows = block.len() / columns;
+                let lhs_rows = lhs.rows(task * task_rows, block_rows);
+                product_block(block, bias, lhs_rows, rhs, gemm::Parallelism::None);
+            });
+    } else {
+        let parallelism = match parallel {
+            true => gemm::Parallelism::Rayon(0),
+            false => gemm::Parallelism::None,
+        };
+        product_block(&mut output, bias, lhs, rhs, parallelism);
+    }
+    Some(B::contiguous(output, [1, 1, rows, columns]))
+}
+
+/// `block` (`lhs.rows × rhs.columns`, row-major) ← `lhs · rhs (+ bias)`.
+fn product_block(
+    block: &mut [f32],
+    bias: Option<&[f32]>,
+    lhs: Matrix,
+    rhs: Matrix,
+    parallelism: gemm::Parallelism,
+) {
+    let columns = rhs.columns;
+    if let Some(bias) = bias {
+        for row in block.chunks_exact_mut(columns.max(1)) {
             row.copy_from_slice(bias);
         }
     }
-    let mut product = MatrixMut::from_slice(&mut output, rows, columns, columns);
-    let parallelism = match rows * columns * lhs.columns >= 1 << 21 {
-        true => gemm::Parallelism::Rayon(0),
-        false => gemm::Parallelism::None,
-    };
+    let mut product = MatrixMut::from_slice(block, lhs.rows, columns, columns);
     gemm_with(&mut product, bias.is_some(), lhs, rhs, 1.0, parallelism);
-    Some(B::contiguous(output, [1, 1, rows, columns]))
 }
 
 /// The sum of a `[1, 1, rows, columns]` f32 matrix's rows, `[1, 1, 1, columns]` (a
