@@ -62,6 +62,7 @@ impl MultiHeadAttention {
             segment_ids,
             need_weights,
             path,
+            shared_input,
         } = input;
         assert!(
             segment_ids.is_none(),
@@ -92,8 +93,11 @@ impl MultiHeadAttention {
         let geometry = self.geometry(geometry.batch, geometry.seq_q, step.keys);
         let plan = self.plan(visibility, geometry, path, need_weights, &query);
         let first_query = step.positions.rope_query();
-        let query = self.project_query(query, first_query);
-        let (key, value) = self.project_key_value(key, value, first_query);
+        let (query, key, value) = self.project(
+            (query, key, value),
+            shared_input,
+            [first_query, first_query],
+        );
         let (key, value) = cache.append(step, key, value);
         let (key, value) = self.append_extra_positions(key, value);
         Ok(self.attend(query, key, value, &plan))

@@ -202,6 +202,9 @@ pub struct MhaInput {
     pub(crate) segment_ids: Option<(Tensor<2, Int>, Option<Tensor<2, Int>>)>,
     pub(crate) need_weights: NeedWeights,
     pub(crate) path: AttentionPath,
+    /// Made by [`MhaInput::self_attn`]: query, key and value are one tensor, so that their
+    /// projections can be one op.
+    pub(crate) shared_input: bool,
 }
 
 impl MhaInput {
@@ -211,7 +214,10 @@ impl MhaInput {
     ///
     /// - x: `[batch, seq, d_model]` (requires `d_key_input == d_value_input == d_model`)
     pub fn self_attn(x: Tensor<3>) -> Self {
-        Self::new(x.clone(), x.clone(), x)
+        Self {
+            shared_input: true,
+            ..Self::new(x.clone(), x.clone(), x)
+        }
     }
 
     /// Attention of `query` over the `key`/`value` sequence (cross-attention when they differ).
@@ -232,6 +238,7 @@ impl MhaInput {
             segment_ids: None,
             need_weights: NeedWeights::No,
             path: AttentionPath::Auto,
+            shared_input: false,
         }
     }
 

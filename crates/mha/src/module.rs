@@ -13,7 +13,7 @@ use crate::geometry::Geometry;
 use crate::input::{AttentionPath, AttentionWeights, MhaInput, MhaOutput, NeedWeights};
 use crate::kernel::{SoftmaxOptions, chunked_attention, explicit_attention, fused_attention};
 use crate::mask::{Positions, SegmentIds, Visibility};
-use crate::projection::native_linear;
+use crate::projection::{native_linear, native_packed_linear};
 use crate::rotary::{Rope, RopeConfig};
 use crate::shape::check_shape;
 
@@ -227,6 +227,7 @@ impl MultiHeadAttention {
             segment_ids,
             need_weights,
             path,
+            shared_input,
         } = input;
         let positions = Positions {
             query: geometry.seq_k as i64 - geometry.seq_q as i64,
@@ -247,8 +248,11 @@ impl MultiHeadAttention {
             extra_keys: self.extra_keys(),
         };
         let plan = self.plan(visibility, geometry, path, need_weights, &query);
-        let query = self.project_query(query, positions.rope_query());
-        let (key, value) = self.project_key_value(key, value, 0);
+        let (query, key, value) = self.project(
+            (query, key, value),
+            shared_input,
+            [positions.rope_query(), 0],
+        );
         let (key, value) = self.append_extra_positions(key, value);
         self.attend(query, key, value, &plan)
     }
@@ -365,6 +369,52 @@ impl MultiHeadAttention {
             geometry,
             kernel,
             need_weights,
+        }
+    }
+
+    /// Query heads `[batch, n_heads, seq_q, head_dim]`, key and value heads `[batch,
+    /// n_kv_heads, seq_k, head_dim]`, the queries and keys rotated with RoPE from the positions
+    /// `starts` (query, key). When the three inputs are one tensor (`shared_input`), the three
+    /// projections are one op where [`native_packed_linear`] runs, and the heads views of its
+    /// output.
+    pub(crate) fn project(
+        &self,
+        (query, key, value): (Tensor<3>, Tensor<3>, Tensor<3>),
+        shared_input: bool,
+        [query_start, key_start]: [usize; 2],
+    ) -> (Tensor<4>, Tensor<4>, Tensor<4>) {
+        let packed = match shared_input {
+            true => native_packed_linear([&self.query, &self.key, &self.value], &query),
+            false => None,
+        };
+        let Some(packed) = packed else {
+            let query = self.project_query(query, query_start);
+            let (key, value) = self.project_key_value(key, value, key_start);
+            return (query, key, value);
+        };
+        let [batch, seq, _] = packed.dims();
+        let [heads, kv_heads, head_dim] = [self.n_heads, self.n_kv_heads, self.head_dim];
+        // Contiguous, so the reshape is free; each part is then a strided view the kernels
+        // read in place.
+        let packed = packed.reshape([batch, seq, heads + 2 * kv_heads, head_dim]);
+        let part = |first: usize, count: usize| {
+            packed
+                .clone()
+                .slice([0..batch, 0..seq, first..first + count, 0..head_dim])
+                .swap_dims(1, 2)
+        };
+        let (query, key, value) = (
+            part(0, heads),
+            part(heads, kv_heads),
+            part(heads + kv_heads, kv_heads),
+        );
+        match &self.rope {
+            Some(rope) => (
+                rope.apply(query, query_start),
+                rope.apply(key, key_start),
+                value,
+            ),
+            None => (query, key, value),
         }
     }
 

@@ -46,6 +46,34 @@ pub(crate) trait ProjectionBackend: Backend {
     ) -> FloatTensor<Self> {
         product::<Self>((x, false), (weight, false), bias.into_option())
     }
+
+    /// `[x · Wq + bq | x · Wk + bk | x · Wv + bv]`: self-attention's three projections of one
+    /// input, side by side in one output.
+    ///
+    /// # Shapes
+    ///
+    /// - x: `[1, 1, rows, d_input]`
+    /// - query_weight, key_weight, value_weight: `[1, 1, d_input, d_query]`, `d_key`, `d_value`
+    /// - query_bias, key_bias, value_bias: `[1, 1, 1, d_query]`, `d_key`, `d_value`
+    /// - output: `[1, 1, rows, d_query + d_key + d_value]`, contiguous
+    fn project_packed(
+        x: FloatTensor<Self>,
+        query_weight: FloatTensor<Self>,
+        key_weight: FloatTensor<Self>,
+        value_weight: FloatTensor<Self>,
+        #[extension_type] query_bias: MaybeFloat<Self>,
+        #[extension_type] key_bias: MaybeFloat<Self>,
+        #[extension_type] value_bias: MaybeFloat<Self>,
+    ) -> FloatTensor<Self> {
+        packed_product::<Self>(
+            x,
+            [
+                (query_weight, query_bias.into_option()),
+                (key_weight, key_bias.into_option()),
+                (value_weight, value_bias.into_option()),
+            ],
+        )
+    }
 }
 
 /// The products a projection and its gradients need, native where a backend has them.
@@ -99,6 +127,27 @@ macro_rules! native_projection {
                     bias.into_option(),
                 )
             }
+
+            fn project_packed(
+                x: FloatTensor<Self>,
+                query_weight: FloatTensor<Self>,
+                key_weight: FloatTensor<Self>,
+                value_weight: FloatTensor<Self>,
+                query_bias: MaybeFloat<Self>,
+                key_bias: MaybeFloat<Self>,
+                value_bias: MaybeFloat<Self>,
+            ) -> FloatTensor<Self> {
+                let parts = [
+                    (query_weight, query_bias.into_option()),
+                    (key_weight, key_bias.into_option()),
+                    (value_weight, value_bias.into_option()),
+                ];
+                let borrowed = parts
+                    .each_ref()
+                    .map(|(weight, bias)| (weight, bias.as_ref()));
+                crate::flash::cpu_packed_product::<Self>(&x, &borrowed)
+                    .unwrap_or_else(|| packed_product::<Self>(x, parts))
+            }
         }
     };
 }
@@ -126,6 +175,23 @@ fn product<B: Backend>(
     }
 }
 
+/// The default body of [`ProjectionBackend::project_packed`]: each product, then one
+/// concatenation.
+#[cfg(any(feature = "flex", feature = "ndarray"))]
+fn packed_product<B: Backend>(
+    x: FloatTensor<B>,
+    parts: [(FloatTensor<B>, Option<FloatTensor<B>>); 3],
+) -> FloatTensor<B> {
+    let products = parts
+        .into_iter()
+        .map(|(weight, bias)| product::<B>((x.clone(), false), (weight, false), bias))
+        .collect();
+    B::float_cat(products, 3)
+}
+
+/// Under autodiff the packed projection keeps the default body (Burn's own ops and their
+/// backward): the module packs only where nothing is tracked, and trains through
+/// [`ProjectionBackend::project`], whose backward is native.
 #[cfg(any(feature = "flex", feature = "ndarray"))]
 impl<B: ProjectionKernels, C: CheckpointStrategy> ProjectionBackend for Autodiff<B, C> {
     fn project(
@@ -265,6 +331,66 @@ pub(crate) fn native_linear(linear: &Linear, x: &Tensor<3>) -> Option<Tensor<3>>
     Some(Tensor::<4>::from_dispatch(output).reshape([batch, seq, d_output]))
 }
 
+/// Self-attention's three projections of `x`, side by side: `[batch, seq, d_query + d_key +
+/// d_value]`, in one op and one pass over rayon's threads, where the projection op runs
+/// natively and nothing is tracked (inference); `None` elsewhere, for three
+/// [`native_linear`]s or `Linear::forward`s.
+#[cfg(any(feature = "flex", feature = "ndarray"))]
+pub(crate) fn native_packed_linear(linears: [&Linear; 3], x: &Tensor<3>) -> Option<Tensor<3>> {
+    let device = x.device();
+    if flash_kernel(&device) != Some(FlashKernel::Native)
+        || x.dtype() != DType::F32
+        || device.is_autodiff()
+    {
+        return None;
+    }
+    let [batch, seq, d_input] = x.dims();
+    let mut widths = [0; 3];
+    for (linear, width) in linears.iter().zip(&mut widths) {
+        let [weight_rows, d_output] = linear.weight.dims();
+        assert_eq!(
+            weight_rows, d_input,
+            "MultiHeadAttention: a projection of width {weight_rows} got an input of width \
+             {d_input}"
+        );
+        *width = d_output;
+    }
+    let weight = |linear: &Linear, width: usize| {
+        linear
+            .weight
+            .val()
+            .reshape([1, 1, d_input, width])
+            .into_dispatch()
+    };
+    let bias = |linear: &Linear, width: usize| {
+        MaybeFloat::from_option(
+            linear
+                .bias
+                .as_ref()
+                .map(|bias| bias.val().reshape([1, 1, 1, width]).into_dispatch()),
+        )
+    };
+    let [query, key, value] = linears;
+    let [d_query, d_key, d_value] = widths;
+    let output = <burn::backend::Dispatch as ProjectionBackend>::project_packed(
+        x.clone()
+            .reshape([1, 1, batch * seq, d_input])
+            .into_dispatch(),
+        weight(query, d_query),
+        weight(key, d_key),
+        weight(value, d_value),
+        bias(query, d_query),
+        bias(key, d_key),
+        bias(value, d_value),
+    );
+    Some(Tensor::<4>::from_dispatch(output).reshape([batch, seq, d_query + d_key + d_value]))
+}
+
+#[cfg(not(any(feature = "flex", feature = "ndarray")))]
+pub(crate) fn native_packed_linear(_: [&Linear; 3], _: &Tensor<3>) -> Option<Tensor<3>> {
+    None
+}
+
 #[cfg(all(test, feature = "flex", feature = "ndarray"))]
 mod tests {
     use super::*;
@@ -319,6 +445,53 @@ mod tests {
             let x = Tensor::<3>::zeros([1, 2, 12], &device);
             let linear = LinearConfig::new(12, 20).init(&device);
             assert!(native_linear(&linear, &x.cast(FloatDType::F64)).is_none());
+        }
+    }
+
+    /// The packed op equals the three `Linear::forward`s side by side: with and without biases
+    /// (and with one missing), parts of different widths (GQA's narrower key and value), on one
+    /// thread and on several, on both CPU backends; it is not taken for f64 or under autodiff.
+    #[test]
+    fn the_packed_projection_equals_three_linears() {
+        for device in devices() {
+            device.seed(47);
+            let biases = [
+                [true, true, true],
+                [false, false, false],
+                [true, false, true],
+            ];
+            for (bias, (seq, d_input, d_output)) in biases
+                .into_iter()
+                .flat_map(|bias| SIZES.map(|size| (bias, size)))
+            {
+                let widths = [d_output, d_output / 2, d_output / 4 + 1];
+                let linears = [0, 1, 2].map(|part| {
+                    LinearConfig::new(d_input, widths[part])
+                        .with_bias(bias[part])
+                        .init(&device)
+                });
+                let linears = linears.each_ref();
+                let x =
+                    Tensor::<3>::random([2, seq, d_input], Distribution::Normal(0.0, 1.0), &device);
+                let expected =
+                    Tensor::cat(linears.map(|linear| linear.forward(x.clone())).into(), 2);
+                // Output buffers NaN: an element the op does not write shows.
+                let actual = crate::flash::recycle::poison::with(|| {
+                    native_packed_linear(linears, &x).expect("the native op runs")
+                });
+                let difference = max_difference(actual, expected);
+                assert!(
+                    difference <= 1e-5,
+                    "{device:?} biases {bias:?} seq {seq}: {difference}"
+                );
+            }
+            let x = Tensor::<3>::zeros([1, 2, 12], &device);
+            let linear = LinearConfig::new(12, 20).init(&device);
+            let linears = [&linear, &linear, &linear];
+            assert!(native_packed_linear(linears, &x.clone().cast(FloatDType::F64)).is_none());
+            let tracked = LinearConfig::new(12, 20).init(&device.clone().autodiff());
+            let x = Tensor::<3>::zeros([1, 2, 12], &device.autodiff());
+            assert!(native_packed_linear([&tracked, &tracked, &tracked], &x).is_none());
         }
     }
 

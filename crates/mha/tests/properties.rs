@@ -6,8 +6,8 @@ use burn::module::{Module, Param};
 use burn::tensor::{Bool, Device, Int, Tensor};
 use common::{all_finite, assert_close, randn, test_devices, tolerance};
 use mha::{
-    AttentionPath, BlockSizes, MhaInput, MultiHeadAttention, MultiHeadAttentionConfig, NeedWeights,
-    flash_attention_supported,
+    AttentionPath, BlockSizes, KvCache, MhaInput, MultiHeadAttention, MultiHeadAttentionConfig,
+    NeedWeights, RopeConfig, flash_attention_supported,
 };
 
 #[test]
@@ -31,6 +31,83 @@ fn self_attention_without_masks_is_permutation_equivariant() {
             attended_then_permuted,
             tolerance(name),
         );
+    }
+}
+
+/// `MhaInput::self_attn(x)` (whose three projections may be one op) equals
+/// `MhaInput::new(x, x, x)` (three), outputs and weights, with biases or without, with GQA and
+/// RoPE, with the appended positions of `add_bias_kv` and `add_zero_attn`, in a forward and
+/// decoding step by step under a KV cache; on the CPU also at a size whose projections run on
+/// several threads.
+#[test]
+fn self_attention_equals_attention_over_one_tensor_passed_three_times() {
+    let configs = [
+        ("mha", MultiHeadAttentionConfig::new(16, 4)),
+        (
+            "gqa+rope",
+            MultiHeadAttentionConfig::new(32, 4)
+                .with_n_kv_heads(Some(2))
+                .with_rope(Some(RopeConfig::new())),
+        ),
+        (
+            "no bias, bias_kv, zero_attn",
+            MultiHeadAttentionConfig::new(16, 2)
+                .with_bias(false)
+                .with_add_bias_kv(true)
+                .with_add_zero_attn(true),
+        ),
+        (
+            "wide gqa",
+            MultiHeadAttentionConfig::new(128, 8).with_n_kv_heads(Some(2)),
+        ),
+    ];
+    for (name, device) in test_devices() {
+        let _seed = common::seed(&device, 31);
+        let bound = tolerance(name);
+        for (config_name, config) in &configs {
+            let seq = match (*config_name, name) {
+                ("wide gqa", "flex" | "ndarray") => 128,
+                ("wide gqa", _) => continue,
+                _ => 5,
+            };
+            let module = config.init(&device);
+            let x = randn([2, seq, config.d_model], &device);
+            let what = |part: &str| format!("{name} {config_name}: {part}");
+            let separate = MhaInput::new(x.clone(), x.clone(), x.clone());
+            let [packed, separate] = [MhaInput::self_attn(x.clone()), separate]
+                .map(|input| module.forward(input.causal().need_weights(NeedWeights::PerHead)));
+            let weights =
+                |output: &mha::MhaOutput| output.weights.clone().expect("weights").per_head();
+            assert_close(
+                &what("weights"),
+                weights(&packed).expect("per head"),
+                weights(&separate).expect("per head"),
+                bound,
+            );
+            assert_close(&what("output"), packed.context, separate.context, bound);
+            let [mut packed_cache, mut separate_cache] = [KvCache::new(), KvCache::new()];
+            for (start, length) in [(0, 2), (2, 1), (3, seq - 3)] {
+                let step = x.clone().narrow(1, start, length);
+                let packed = module
+                    .forward_cached(
+                        MhaInput::self_attn(step.clone()).causal(),
+                        &mut packed_cache,
+                    )
+                    .expect("within limits");
+                let separate = module
+                    .forward_cached(
+                        MhaInput::new(step.clone(), step.clone(), step).causal(),
+                        &mut separate_cache,
+                    )
+                    .expect("within limits");
+                assert_close(
+                    &what(&format!("decoding step at {start}")),
+                    packed.context,
+                    separate.context,
+                    bound,
+                );
+            }
+        }
     }
 }
 

@@ -271,57 +271,122 @@ pub(crate) fn product<B: CpuStorage>(
         None => None,
     };
     let (rows, columns) = (lhs.rows, rhs.columns);
-    if let Some(bias) = bias {
-        assert_eq!(
-            bias.len(),
-            columns,
-            "projection: a bias of {} for {columns} outputs",
-            bias.len()
-        );
+    let output = products_side_by_side::<B>(lhs, &[(rhs, bias)]);
+    Some(B::contiguous(output, [1, 1, rows, columns]))
+}
+
+/// `x · [W₁ | W₂ | …] + [b₁ | b₂ | …]`: the projections of one input by several weights, side by
+/// side in one `[1, 1, rows, Σ columns]` output, in one pass over rayon's threads (one wake-up
+/// of the workers instead of one per weight: self-attention's query, key and value); `None` for
+/// inputs it does not take.
+///
+/// # Panics
+///
+/// If a weight's rows are not the input's columns, or a bias's length not its weight's columns.
+pub(crate) fn packed_product<B: CpuStorage>(
+    x: &FloatTensor<B>,
+    weights: &[(&FloatTensor<B>, Option<&FloatTensor<B>>)],
+) -> Option<FloatTensor<B>> {
+    let x = B::readable(x)?;
+    let mut readable = Vec::with_capacity(weights.len());
+    for (weight, bias) in weights {
+        let bias = match bias {
+            Some(bias) => Some(B::readable(bias)?),
+            None => None,
+        };
+        readable.push((B::readable(weight)?, bias));
     }
+    let mut parts = Vec::with_capacity(weights.len());
+    for (weight, bias) in &readable {
+        let bias = match bias {
+            Some(bias) => Some(HeadsView::of::<B>(bias)?.row(0, 0, 0)),
+            None => None,
+        };
+        parts.push((HeadsView::of::<B>(weight)?.head(0, 0), bias));
+    }
+    let x = HeadsView::of::<B>(&x)?.head(0, 0);
+    let (rows, columns) = (x.rows, parts.iter().map(|(rhs, _)| rhs.columns).sum());
+    let output = products_side_by_side::<B>(x, &parts);
+    Some(B::contiguous(output, [1, 1, rows, columns]))
+}
+
+/// `[lhs · rhs₁ + bias₁ | lhs · rhs₂ + bias₂ | …]`, row-major, in a buffer the caller then
+/// owns. Above a size, one task per thread, each writing its own rows of every part: the bias
+/// rows (filled on the calling thread, they were serial work between parallel GEMMs, 5% of a
+/// forward's wall time at (8, 128, 256, 8), both workers idle meanwhile) and the products
+/// accumulated onto them.
+///
+/// # Panics
+///
+/// If a part's rows are not `lhs`'s columns, or its bias's length not its columns.
+fn products_side_by_side<B: CpuStorage>(
+    lhs: Matrix,
+    parts: &[(Matrix, Option<&[f32]>)],
+) -> Vec<f32> {
+    for (rhs, bias) in parts {
+        assert_eq!(
+            rhs.rows, lhs.columns,
+            "projection: a {}x{} by {}x{} product",
+            lhs.rows, lhs.columns, rhs.rows, rhs.columns
+        );
+        if let Some(bias) = bias {
+            assert_eq!(
+                bias.len(),
+                rhs.columns,
+                "projection: a bias of {} for {} outputs",
+                bias.len(),
+                rhs.columns
+            );
+        }
+    }
+    let rows = lhs.rows;
+    let columns: usize = parts.iter().map(|(rhs, _)| rhs.columns).sum();
     // Every element is written: the bias rows, or the product alone.
     let mut output = B::output_buffer(rows * columns);
     let threads = rayon::current_num_threads();
     let parallel = rows * columns * lhs.columns >= 1 << 21;
+    let write_rows = |block: &mut [f32], lhs: Matrix, parallelism| {
+        let mut block = MatrixMut::from_slice(block, lhs.rows, columns, columns);
+        let mut first_column = 0;
+        for &(rhs, bias) in parts {
+            let mut part = block.columns(first_column, rhs.columns);
+            product_into(&mut part, bias, lhs, rhs, parallelism);
+            first_column += rhs.columns;
+        }
+    };
     if parallel && rows >= threads && columns > 0 {
-        // One task per thread, each writing the bias into its rows and multiplying onto them:
-        // filled on the calling thread, the bias rows were serial work between parallel GEMMs
-        // (5% of a forward's wall time at (8, 128, 256, 8), both workers idle meanwhile).
         let task_rows = rows.div_ceil(threads);
         output
             .par_chunks_mut(task_rows * columns)
             .enumerate()
             .for_each(|(task, block)| {
-                let block_rows = block.len() / columns;
-                let lhs_rows = lhs.rows(task * task_rows, block_rows);
-                product_block(block, bias, lhs_rows, rhs, gemm::Parallelism::None);
+                let lhs_rows = lhs.rows(task * task_rows, block.len() / columns);
+                write_rows(block, lhs_rows, gemm::Parallelism::None);
             });
     } else {
         let parallelism = match parallel {
             true => gemm::Parallelism::Rayon(0),
             false => gemm::Parallelism::None,
         };
-        product_block(&mut output, bias, lhs, rhs, parallelism);
+        write_rows(&mut output, lhs, parallelism);
     }
-    Some(B::contiguous(output, [1, 1, rows, columns]))
+    output
 }
 
-/// `block` (`lhs.rows × rhs.columns`, row-major) ← `lhs · rhs (+ bias)`.
-fn product_block(
-    block: &mut [f32],
+/// `dst ← lhs · rhs (+ bias in every row)`.
+fn product_into(
+    dst: &mut MatrixMut,
     bias: Option<&[f32]>,
     lhs: Matrix,
     rhs: Matrix,
     parallelism: gemm::Parallelism,
 ) {
-    let columns = rhs.columns;
     if let Some(bias) = bias {
-        for row in block.chunks_exact_mut(columns.max(1)) {
-            row.copy_from_slice(bias);
+        for row in 0..dst.rows {
+            dst.row(row).copy_from_slice(bias);
         }
     }
-    let mut product = MatrixMut::from_slice(block, lhs.rows, columns, columns);
-    gemm_with(&mut product, bias.is_some(), lhs, rhs, 1.0, parallelism);
+    gemm_with(dst, bias.is_some(), lhs, rhs, 1.0, parallelism);
 }
 
 /// The sum of a `[1, 1, rows, columns]` f32 matrix's rows, `[1, 1, 1, columns]` (a
@@ -742,6 +807,34 @@ impl<'a> MatrixMut<'a> {
         }
     }
 
+    /// Columns `start..start + count`, borrowed from this matrix.
+    ///
+    /// # Panics
+    ///
+    /// If they are not columns of the matrix.
+    fn columns(&mut self, start: usize, count: usize) -> MatrixMut<'_> {
+        assert!(
+            start + count <= self.columns,
+            "flash attention: columns out of the matrix"
+        );
+        MatrixMut {
+            // SAFETY: when the matrix has a row, column `start` of its first row lies in the
+            // checked extent (`start < columns` when `count > 0`; the pointer is not used when
+            // `count == 0` or `rows == 0`), and so do the sub-matrix's other elements, which are
+            // the matrix's.
+            pointer: unsafe {
+                self.pointer.add(match count == 0 || self.rows == 0 {
+                    true => 0,
+                    false => start,
+                })
+            },
+            rows: self.rows,
+            columns: count,
+            row_stride: self.row_stride,
+            buffer: PhantomData,
+        }
+    }
+
     /// Row `row`.
     ///
     /// # Panics
@@ -953,6 +1046,10 @@ struct TransposedHead<'t> {
     value: Matrix<'t>,
 }
 
+/// The fewest queries for which a head's keys and values are transposed once
+/// ([`transposed_copy`]) rather than read in place.
+const MIN_QUERIES_TO_TRANSPOSE: usize = 16;
+
 /// `matrix` (`[rows, columns]`, any strides) copied into `buffer` as its `[columns, rows]`
 /// transpose with unit column stride.
 ///
@@ -1160,8 +1257,10 @@ impl<'a> Kernel<'a> {
 
     /// Head `(b, kv_head)`'s keys and values as `[dim, seq_k]`: copied ([`transposed_copy`])
     /// when the backward reads them for more than one score block (the query blocks of every
-    /// query head of the group), their strided views otherwise (a copy would cost what the one
-    /// packing saves).
+    /// query head of the group) of at least [`MIN_QUERIES_TO_TRANSPOSE`] queries, their strided
+    /// views otherwise (a copy would cost what the one packing saves, and `gemm` reads a factor
+    /// of a few rows in place, without packing it: a decoding step with one query per head took
+    /// 5.7 ms at 16384 cached positions with the copy, against 1.7 ms without).
     ///
     /// The forward makes the same choice although it reads a copy for one query head only:
     /// `gemm` may round a score differently from the two layouts (another kernel, FMA or not),
@@ -1173,7 +1272,9 @@ impl<'a> Kernel<'a> {
         (b, kv_head): (usize, usize),
     ) -> TransposedHead<'t> {
         let [key, value] = [&self.key, &self.value].map(|view| view.head(b, kv_head));
-        match self.geometry.groups() * self.query_blocks().count() > 1 {
+        let copy = self.geometry.groups() * self.query_blocks().count() > 1
+            && self.geometry.seq_q >= MIN_QUERIES_TO_TRANSPOSE;
+        match copy {
             true => TransposedHead {
                 key: transposed_copy(transposed_key, key),
                 value: match transposed_value {

@@ -39,7 +39,9 @@ mod cpu;
 #[cfg(feature = "cube")]
 mod cube;
 #[cfg(any(feature = "flex", feature = "ndarray"))]
-pub(crate) use cpu::{product as cpu_product, row_sum as cpu_row_sum};
+pub(crate) use cpu::{
+    packed_product as cpu_packed_product, product as cpu_product, row_sum as cpu_row_sum,
+};
 mod generic;
 #[cfg(any(feature = "flex", feature = "ndarray"))]
 pub(crate) mod recycle;
