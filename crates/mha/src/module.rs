@@ -403,29 +403,25 @@ impl MultiHeadAttention {
                 .slice([0..batch, 0..seq, first..first + count, 0..head_dim])
                 .swap_dims(1, 2)
         };
-        let (query, key, value) = (
-            part(0, heads),
-            part(heads, kv_heads),
+        (
+            self.rotated(part(0, heads), query_start),
+            self.rotated(part(heads, kv_heads), key_start),
             part(heads + kv_heads, kv_heads),
-        );
+        )
+    }
+
+    /// `heads` rotated from position `start` with RoPE, if the module has it.
+    fn rotated(&self, heads: Tensor<4>, start: usize) -> Tensor<4> {
         match &self.rope {
-            Some(rope) => (
-                rope.apply(query, query_start),
-                rope.apply(key, key_start),
-                value,
-            ),
-            None => (query, key, value),
+            Some(rope) => rope.apply(heads, start),
+            None => heads,
         }
     }
 
     /// `[batch, seq_q, d_model]` → query heads `[batch, n_heads, seq_q, head_dim]`, rotated
     /// from position `start` with RoPE.
     pub(crate) fn project_query(&self, query: Tensor<3>, start: usize) -> Tensor<4> {
-        let query = self.project_heads(query, &self.query, self.n_heads);
-        match &self.rope {
-            Some(rope) => rope.apply(query, start),
-            None => query,
-        }
+        self.rotated(self.project_heads(query, &self.query, self.n_heads), start)
     }
 
     /// Projects key and value to heads, `[batch, n_kv_heads, seq_k, head_dim]` each, keys
@@ -438,11 +434,7 @@ impl MultiHeadAttention {
     ) -> (Tensor<4>, Tensor<4>) {
         let key = self.project_heads(key, &self.key, self.n_kv_heads);
         let value = self.project_heads(value, &self.value, self.n_kv_heads);
-        let key = match &self.rope {
-            Some(rope) => rope.apply(key, start),
-            None => key,
-        };
-        (key, value)
+        (self.rotated(key, start), value)
     }
 
     /// Appends `bias_k`/`bias_v` and the all-zero position (`add_bias_kv`, `add_zero_attn`).

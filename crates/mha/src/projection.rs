@@ -303,31 +303,12 @@ pub(crate) fn native_linear(_: &Linear, _: &Tensor<3>) -> Option<Tensor<3>> {
 /// `Linear::forward`.
 #[cfg(any(feature = "flex", feature = "ndarray"))]
 pub(crate) fn native_linear(linear: &Linear, x: &Tensor<3>) -> Option<Tensor<3>> {
-    let device = x.device();
-    if flash_kernel(&device) != Some(FlashKernel::Native) || x.dtype() != DType::F32 {
+    if !runs_natively(x) {
         return None;
     }
     let [batch, seq, d_input] = x.dims();
-    let [weight_rows, d_output] = linear.weight.dims();
-    assert_eq!(
-        weight_rows, d_input,
-        "MultiHeadAttention: a projection of width {weight_rows} got an input of width {d_input}"
-    );
-    let bias = linear
-        .bias
-        .as_ref()
-        .map(|bias| bias.val().reshape([1, 1, 1, d_output]).into_dispatch());
-    let output = <burn::backend::Dispatch as ProjectionBackend>::project(
-        x.clone()
-            .reshape([1, 1, batch * seq, d_input])
-            .into_dispatch(),
-        linear
-            .weight
-            .val()
-            .reshape([1, 1, d_input, d_output])
-            .into_dispatch(),
-        MaybeFloat::from_option(bias),
-    );
+    let (weight, bias, d_output) = operands(linear, d_input);
+    let output = <burn::backend::Dispatch as ProjectionBackend>::project(rows_of(x), weight, bias);
     Some(Tensor::<4>::from_dispatch(output).reshape([batch, seq, d_output]))
 }
 
@@ -337,53 +318,72 @@ pub(crate) fn native_linear(linear: &Linear, x: &Tensor<3>) -> Option<Tensor<3>>
 /// [`native_linear`]s or `Linear::forward`s.
 #[cfg(any(feature = "flex", feature = "ndarray"))]
 pub(crate) fn native_packed_linear(linears: [&Linear; 3], x: &Tensor<3>) -> Option<Tensor<3>> {
-    let device = x.device();
-    if flash_kernel(&device) != Some(FlashKernel::Native)
-        || x.dtype() != DType::F32
-        || device.is_autodiff()
-    {
+    if !runs_natively(x) || x.device().is_autodiff() {
         return None;
     }
     let [batch, seq, d_input] = x.dims();
-    let mut widths = [0; 3];
-    for (linear, width) in linears.iter().zip(&mut widths) {
-        let [weight_rows, d_output] = linear.weight.dims();
-        assert_eq!(
-            weight_rows, d_input,
-            "MultiHeadAttention: a projection of width {weight_rows} got an input of width \
-             {d_input}"
-        );
-        *width = d_output;
-    }
-    let weight = |linear: &Linear, width: usize| {
-        linear
-            .weight
-            .val()
-            .reshape([1, 1, d_input, width])
-            .into_dispatch()
-    };
-    let bias = |linear: &Linear, width: usize| {
-        MaybeFloat::from_option(
-            linear
-                .bias
-                .as_ref()
-                .map(|bias| bias.val().reshape([1, 1, 1, width]).into_dispatch()),
-        )
-    };
-    let [query, key, value] = linears;
-    let [d_query, d_key, d_value] = widths;
+    let [
+        (query_weight, query_bias, d_query),
+        (key_weight, key_bias, d_key),
+        (value_weight, value_bias, d_value),
+    ] = linears.map(|linear| operands(linear, d_input));
     let output = <burn::backend::Dispatch as ProjectionBackend>::project_packed(
-        x.clone()
-            .reshape([1, 1, batch * seq, d_input])
-            .into_dispatch(),
-        weight(query, d_query),
-        weight(key, d_key),
-        weight(value, d_value),
-        bias(query, d_query),
-        bias(key, d_key),
-        bias(value, d_value),
+        rows_of(x),
+        query_weight,
+        key_weight,
+        value_weight,
+        query_bias,
+        key_bias,
+        value_bias,
     );
     Some(Tensor::<4>::from_dispatch(output).reshape([batch, seq, d_query + d_key + d_value]))
+}
+
+/// Whether the projection op runs natively on `x`: an f32 input on a backend whose flash
+/// kernel is this crate's native one.
+#[cfg(any(feature = "flex", feature = "ndarray"))]
+fn runs_natively(x: &Tensor<3>) -> bool {
+    flash_kernel(&x.device()) == Some(FlashKernel::Native) && x.dtype() == DType::F32
+}
+
+/// `x` (`[batch, seq, d_input]`) as the op's `[1, 1, batch · seq, d_input]` matrix.
+#[cfg(any(feature = "flex", feature = "ndarray"))]
+fn rows_of(x: &Tensor<3>) -> FloatTensor<burn::backend::Dispatch> {
+    let [batch, seq, d_input] = x.dims();
+    x.clone()
+        .reshape([1, 1, batch * seq, d_input])
+        .into_dispatch()
+}
+
+/// `linear`'s weight and bias as the op takes them, and its output width.
+///
+/// # Panics
+///
+/// If the weight does not take inputs of width `d_input`.
+#[cfg(any(feature = "flex", feature = "ndarray"))]
+fn operands(
+    linear: &Linear,
+    d_input: usize,
+) -> (
+    FloatTensor<burn::backend::Dispatch>,
+    MaybeFloat<burn::backend::Dispatch>,
+    usize,
+) {
+    let [weight_rows, d_output] = linear.weight.dims();
+    assert_eq!(
+        weight_rows, d_input,
+        "MultiHeadAttention: a projection of width {weight_rows} got an input of width {d_input}"
+    );
+    let weight = linear
+        .weight
+        .val()
+        .reshape([1, 1, d_input, d_output])
+        .into_dispatch();
+    let bias = linear
+        .bias
+        .as_ref()
+        .map(|bias| bias.val().reshape([1, 1, 1, d_output]).into_dispatch());
+    (weight, MaybeFloat::from_option(bias), d_output)
 }
 
 #[cfg(not(any(feature = "flex", feature = "ndarray")))]
