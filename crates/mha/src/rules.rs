@@ -240,6 +240,19 @@ impl ScoreRules {
         }
     }
 
+    /// The positional keys among `keys`, in the runs along which query `query`'s signed
+    /// distance (query position − key position) falls by one per key: `(run, distance to the
+    /// run's first key)`, the pinned keys' run then the others'; appended keys are in neither.
+    /// The ALiBi bias of key `k` of a run is then `-slope · |distance - (k - run.start)|`, what
+    /// [`Self::bias`] gives, as one vectorised pass per run.
+    pub fn distance_runs(&self, query: usize, keys: &Range<usize>) -> [(Range<usize>, i64); 2] {
+        let positional_end = keys.end.min(self.positional_keys).max(keys.start);
+        let pinned_end = self.pinned_keys.clamp(keys.start, positional_end);
+        let position = self.query_position(query);
+        [keys.start..pinned_end, pinned_end..positional_end]
+            .map(|run| (run.clone(), position - self.key_position(run.start)))
+    }
+
     /// `[batch | 1, 1, q_len, k_len]` flags of the keys `keys` hidden from queries `queries`
     /// (batch-wide only with segments), or `None` when none is.
     pub fn block_forbid(
@@ -402,6 +415,47 @@ mod tests {
                         visible,
                         "{seq_q}x{seq_k} q{query} k{key}"
                     );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn distance_runs_give_the_alibi_bias_of_every_key() {
+        // A streaming cache's layout: 2 pinned keys at 0 and 1, positions 10.. after them, then
+        // 2 appended keys; queries at 13...
+        let rules = ScoreRules {
+            query_start: 13,
+            key_start: 10,
+            pinned_keys: 2,
+            positional_keys: 8,
+            alibi: Some(Arc::from([0.5f32, 0.25])),
+            ..ScoreRules::none(8)
+        };
+        let total_keys = 10;
+        for head in 0..2 {
+            let slope = [0.5f32, 0.25][head];
+            for query in 0..4 {
+                for start in 0..total_keys {
+                    for end in start..=total_keys {
+                        let keys = start..end;
+                        let mut biases = vec![0.0f32; keys.len()];
+                        for (run, distance) in rules.distance_runs(query, &keys) {
+                            assert!(keys.start <= run.start && run.end <= keys.end);
+                            for key in run.clone() {
+                                let distance = distance - (key - run.start) as i64;
+                                biases[key - start] += -slope * distance.abs() as f32;
+                            }
+                        }
+                        let expected: Vec<f32> = keys
+                            .clone()
+                            .map(|key| rules.bias(head, query, key))
+                            .collect();
+                        assert_eq!(
+                            biases, expected,
+                            "head {head}, query {query}, keys {keys:?}"
+                        );
+                    }
                 }
             }
         }

@@ -1306,9 +1306,13 @@ impl<'a> Kernel<'a> {
                 BroadcastRow::Keys(row) => scores.iter_mut().zip(row).for_each(|(s, v)| *s += v),
             }
         }
-        if rules.alibi.is_some() {
-            for (score, key) in scores.iter_mut().zip(keys.clone()) {
-                *score += rules.bias(h, query, key);
+        if let Some(slopes) = &rules.alibi {
+            for (run, distance) in rules.distance_runs(query, keys) {
+                simd::add_distance_penalty(
+                    &mut scores[run.start - keys.start..run.end - keys.start],
+                    distance as f32,
+                    -slopes[h],
+                );
             }
         }
         if let Some(forbid) = &self.forbid {
@@ -1623,15 +1627,11 @@ struct BlockGrads<'q, 'k, 'b> {
 fn soft_cap(scores: &mut [f32], cap: f32, derivatives: Option<&mut Vec<f32>>) {
     match derivatives {
         Some(derivatives) => {
-            derivatives.extend(scores.iter_mut().map(|score| {
-                let tanh = (*score / cap).tanh();
-                *score = cap * tanh;
-                1.0 - tanh * tanh
-            }));
+            let start = derivatives.len();
+            derivatives.resize(start + scores.len(), 0.0);
+            simd::soft_cap_with_derivatives(scores, &mut derivatives[start..], cap);
         }
-        None => scores
-            .iter_mut()
-            .for_each(|score| *score = cap * (*score / cap).tanh()),
+        None => simd::soft_cap(scores, cap),
     }
 }
 
