@@ -12,7 +12,8 @@
 //! The features' table trains (causal forward + backward, flex, `AttentionPath::Auto`: the
 //! flash kernel) with each kernel feature at 4096 tokens, against the plain case: none may cost
 //! more than 1.5 times its peak memory, since every feature is computed per block inside the
-//! kernel. A window of 512 is also run at 16384 tokens, where its time must grow linearly
+//! kernel. The "peaked" case is the plain one with inputs that make the softmax sharp (most
+//! probabilities tiny). A window of 512 is also run at 16384 tokens, where its time must grow linearly
 //! (4 times 4096's), not quadratically (16 times).
 //!
 //! Burn's module materialises `[batch, heads, seq, seq]` scores (8.6 GB at 16384 tokens, more
@@ -69,8 +70,9 @@ const CASES: [(&str, &str, usize, bool, &str); 11] = [
 ];
 
 /// The kernel features' cases: (name, feature, sequence length); causal training on flex.
-const FEATURE_CASES: [(&str, &str, usize); 9] = [
+const FEATURE_CASES: [(&str, &str, usize); 10] = [
     ("feature-plain-4096", "plain", 4096),
+    ("feature-peaked-4096", "peaked", 4096),
     ("feature-padding-4096", "padding", 4096),
     ("feature-alibi-4096", "alibi", 4096),
     ("feature-window-512-4096", "window", 4096),
@@ -154,8 +156,16 @@ fn run_feature_case(name: &str, feature: &str, seq: usize) {
         _ => config,
     };
     let module = config.init(&device);
-    let x = Tensor::<3>::random([1, seq, D_MODEL], Distribution::Normal(0.0, 1.0), &device)
-        .require_grad();
+    // "peaked": inputs of standard deviation 12 spread the scores over about ±50, so most of a
+    // row's probabilities are tiny, as in a trained model's sharp attention (and ALiBi's distant
+    // keys): what subnormal floats slow down (see `flash/simd.rs`'s `FLUSH_BELOW`).
+    let deviation = if feature == "peaked" { 12.0 } else { 1.0 };
+    let x = Tensor::<3>::random(
+        [1, seq, D_MODEL],
+        Distribution::Normal(0.0, deviation),
+        &device,
+    )
+    .require_grad();
     let mut input = MhaInput::self_attn(x.clone()).causal();
     match feature {
         // The last eighth of the sequence is padding.
