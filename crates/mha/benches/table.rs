@@ -6,6 +6,7 @@
 //! cargo bench --workspace --bench table -- --devices flex --shapes 4x512x512x8
 //! cargo bench --workspace --bench table -- --devices wgpu --shapes 8x128x256x8
 //! cargo bench --workspace --bench table -- --ours-only --modes fwd+bwd   # no Burn column
+//! cargo bench --workspace --bench table -- --input-std 12     # a sharp softmax (tiny probabilities)
 //! ```
 //!
 //! Modes: `fwd` (inference, no weights), `fwd+weights` (per-head weights returned) and
@@ -117,10 +118,12 @@ fn mode_device(mode: Mode, device: &Device) -> Device {
     }
 }
 
-fn input(shape: Shape, device: &Device) -> Tensor<3> {
+/// A `[batch, seq, d_model]` input of standard deviation `deviation` (1 by default; 12 spreads
+/// the scores over about ±50, a sharp softmax like a trained model's, `--input-std 12`).
+fn input(shape: Shape, deviation: f64, device: &Device) -> Tensor<3> {
     Tensor::random(
         [shape.batch, shape.seq, shape.d_model],
-        Distribution::Normal(0.0, 1.0),
+        Distribution::Normal(0.0, deviation),
         device,
     )
 }
@@ -140,10 +143,15 @@ fn backward_checksum(context: Tensor<3>, x: &Tensor<3>, output_weight: &Param<Te
             .into_scalar::<f32>()
 }
 
-fn ours(shape: Shape, mode: Mode, path: AttentionPath, device: &Device) -> Box<dyn FnMut() -> f32> {
+fn ours(
+    (shape, deviation): (Shape, f64),
+    mode: Mode,
+    path: AttentionPath,
+    device: &Device,
+) -> Box<dyn FnMut() -> f32> {
     let device = mode_device(mode, device);
     let module = MultiHeadAttentionConfig::new(shape.d_model, shape.heads).init(&device);
-    let x = input(shape, &device);
+    let x = input(shape, deviation, &device);
     Box::new(move || match mode {
         Mode::Forward => module
             .forward(MhaInput::self_attn(x.clone()).path(path))
@@ -166,12 +174,12 @@ fn ours(shape: Shape, mode: Mode, path: AttentionPath, device: &Device) -> Box<d
     })
 }
 
-fn burn(shape: Shape, mode: Mode, device: &Device) -> Box<dyn FnMut() -> f32> {
+fn burn((shape, deviation): (Shape, f64), mode: Mode, device: &Device) -> Box<dyn FnMut() -> f32> {
     let device = mode_device(mode, device);
     let module = BurnMhaConfig::new(shape.d_model, shape.heads)
         .with_dropout(0.0)
         .init(&device);
-    let x = input(shape, &device);
+    let x = input(shape, deviation, &device);
     Box::new(move || match mode {
         Mode::Forward | Mode::ForwardWeights => {
             let output = module.forward(BurnMhaInput::self_attn(x.clone()));
@@ -193,6 +201,7 @@ fn main() {
     let mut max_runs = 15;
     let mut path = AttentionPath::Auto;
     let mut with_burn = true;
+    let mut deviation = 1.0;
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
         let mut value = || args.next().unwrap_or_else(|| panic!("{arg} needs a value"));
@@ -230,12 +239,14 @@ fn main() {
             // `--max-runs`: 15 by default, as PyTorch's script; more to profile a small shape's
             // steady state rather than its first calls.
             "--max-runs" => max_runs = value().parse().expect("a count"),
+            // `--input-std`: the inputs' standard deviation, 1 by default (see `input`).
+            "--input-std" => deviation = value().parse().expect("a deviation"),
             // `cargo bench` passes `--bench`; the other libtest flags mean nothing here.
             _ => {}
         }
     }
     println!(
-        "threads: {} | our path: {path:?} | median of ≥3 runs after a warm-up | GFLOP/s over the module's matmuls\n",
+        "threads: {} | our path: {path:?} | inputs' deviation {deviation} | median of ≥3 runs after a warm-up | GFLOP/s over the module's matmuls\n",
         std::thread::available_parallelism().map_or(0, |n| n.get())
     );
     println!(
@@ -253,9 +264,9 @@ fn main() {
                     } else {
                         1.0
                     };
-                let mut cases = vec![ours(shape, mode, path, &device)];
+                let mut cases = vec![ours((shape, deviation), mode, path, &device)];
                 if with_burn {
-                    cases.push(burn(shape, mode, &device));
+                    cases.push(burn((shape, deviation), mode, &device));
                 }
                 let medians = interleaved_medians((budget, max_runs), &mut cases);
                 let ours = medians[0];

@@ -40,17 +40,20 @@ def main():
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--modes", default="fwd,fwd+weights,fwd+bwd")
     parser.add_argument("--budget-s", type=float, default=3.0)
+    # The inputs' standard deviation, as the Rust bench's --input-std (12: a sharp softmax).
+    parser.add_argument("--input-std", type=float, default=1.0)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    print(f"torch {torch.__version__} | threads: {torch.get_num_threads()} | median of >=3 runs "
+    print(f"torch {torch.__version__} | threads: {torch.get_num_threads()} | "
+          f"inputs' deviation {args.input_std} | median of >=3 runs "
           "after a warm-up | GFLOP/s over the module's matmuls\n")
     print("| device | batch, seq, d_model, heads | mode | PyTorch ms | PyTorch GFLOP/s |")
     print("|---|---|---|---|---|")
     for shape in args.shapes.split(","):
         b, l, e, h = (int(n) for n in shape.split("x"))
         mha = torch.nn.MultiheadAttention(e, h, batch_first=True)
-        x = torch.randn(b, l, e)
+        x = torch.randn(b, l, e) * args.input_std
         for mode in args.modes.split(","):
             if mode == "fwd":
                 mha.eval()
