@@ -447,6 +447,50 @@ fn fused_and_explicit_paths_agree() {
     }
 }
 
+/// The flash kernel on the CPU backends flushes probabilities below 2⁻⁵⁰ of a row's largest to
+/// 0 (`flash/simd.rs`'s `FLUSH_BELOW`): subnormal ones slow every GEMM instruction that touches
+/// them. A sharp softmax (inputs of deviation 12) must give no subnormal weight there, and the
+/// explicit path's values otherwise.
+#[test]
+fn a_sharp_softmax_gives_no_subnormal_probability_and_the_explicit_values() {
+    for (name, device) in test_devices() {
+        if !flash_attention_supported(&device) || name == "wgpu" {
+            // The flush is the CPU kernel's; the GPU kernels keep what their hardware does.
+            continue;
+        }
+        let _seed = common::seed(&device, 11);
+        let module = MultiHeadAttentionConfig::new(32, 2).init(&device);
+        let x = randn([2, 96, 32], &device).mul_scalar(12.0);
+        let [flash, explicit] = [
+            AttentionPath::Flash(BlockSizes::default()),
+            AttentionPath::Explicit,
+        ]
+        .map(|path| {
+            let input = MhaInput::self_attn(x.clone()).need_weights(NeedWeights::PerHead);
+            let output = module.forward(input.path(path));
+            let weights = output.weights.expect("weights were asked for");
+            (
+                output.context,
+                weights.per_head().expect("per-head weights"),
+            )
+        });
+        let values = |weights: &Tensor<4>| weights.clone().into_data().try_to_vec::<f32>().unwrap();
+        let [flash_weights, explicit_weights] = [&flash.1, &explicit.1].map(values);
+        let subnormal = flash_weights.iter().filter(|w| w.is_subnormal()).count();
+        assert_eq!(subnormal, 0, "{name}: subnormal probabilities");
+        let tiny = explicit_weights
+            .iter()
+            .filter(|&&w| w > 0.0 && w < 1e-16)
+            .count();
+        assert!(
+            tiny > 100,
+            "{name}: the inputs make only {tiny} tiny probabilities"
+        );
+        assert_close(&format!("{name} weights"), flash.1, explicit.1, 1e-6);
+        assert_close(&format!("{name} context"), flash.0, explicit.0, 1e-4);
+    }
+}
+
 #[test]
 fn fully_masked_queries_give_zero_output_weights_and_finite_gradients() {
     for (name, device) in test_devices() {
