@@ -118,7 +118,7 @@ dispatch! {
 mod avx512 {
     use std::arch::x86_64::*;
 
-    use super::LANES;
+    use super::{EXP_POLYNOMIAL, LANES, LN_2_HI, LN_2_LO};
 
     /// [`super::exp_shifted`] on AVX-512F.
     #[target_feature(enable = "avx512f")]
@@ -157,8 +157,6 @@ mod avx512 {
     #[target_feature(enable = "avx512f")]
     fn exp(x: __m512) -> __m512 {
         const LOG2_E: f32 = std::f32::consts::LOG2_E;
-        const LN_2_HI: f32 = 0.693_359_4;
-        const LN_2_LO: f32 = -2.121_944_4e-4;
         // Lanes not below the flush threshold, NaN included (unordered compares true).
         let kept = _mm512_cmp_ps_mask::<_CMP_NLT_UQ>(x, _mm512_set1_ps(super::FLUSH_BELOW));
         // `min` returns its second operand when one is NaN: NaN stays NaN.
@@ -168,15 +166,9 @@ mod avx512 {
         );
         let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN_2_HI), x);
         let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN_2_LO), r);
-        let mut p = _mm512_set1_ps(1.987_569_1e-4);
-        for coefficient in [
-            1.398_199_9e-3,
-            8.333_452e-3,
-            4.166_579_6e-2,
-            1.666_666_5e-1,
-            0.5,
-        ] {
-            p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(coefficient));
+        let mut p = _mm512_set1_ps(EXP_POLYNOMIAL[0]);
+        for coefficient in &EXP_POLYNOMIAL[1..] {
+            p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(*coefficient));
         }
         let p = _mm512_add_ps(
             _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r),
@@ -285,26 +277,36 @@ fn flushed_exp<const FMA: bool>(x: f32) -> f32 {
     if x < FLUSH_BELOW { 0.0 } else { exp::<FMA>(x) }
 }
 
+/// `ln 2` split in two (Cephes' `expf`): `n · LN_2_HI` is exact for the `n` an `f32` exponential
+/// reaches, so `x - n · ln 2` keeps its low bits.
+const LN_2_HI: f32 = 0.693_359_4;
+const LN_2_LO: f32 = -2.121_944_4e-4;
+/// Cephes' `expf` polynomial, highest degree first: `e^r ≈ 1 + r + r² · P(r)` on `|r| ≤ ln 2 / 2`.
+const EXP_POLYNOMIAL: [f32; 6] = [
+    1.987_569_1e-4,
+    1.398_199_9e-3,
+    8.333_452e-3,
+    4.166_579_6e-2,
+    1.666_666_5e-1,
+    0.5,
+];
+
 /// `e^x` to about 2 ulp (Cephes' `expf` polynomial after a base-2 range reduction), exactly 0
 /// below `-87.3` (so `-inf` gives 0), saturating at `e^88`; branch-free and without a float to
 /// integer cast (Rust's saturating `as` does not vectorise), so that it vectorises.
 #[inline(always)]
 fn exp<const FMA: bool>(x: f32) -> f32 {
     const LOG2_E: f32 = std::f32::consts::LOG2_E;
-    const LN_2_HI: f32 = 0.693_359_4;
-    const LN_2_LO: f32 = -2.121_944_4e-4;
     // 1.5 · 2^23: adding it rounds to the nearest integer, which then sits in the low bits.
     const ROUND: f32 = 12_582_912.0;
     let clamped = x.clamp(-87.3, 88.0);
     let shifted = clamped * LOG2_E + ROUND;
     let n = shifted - ROUND;
     let r = clamped - n * LN_2_HI - n * LN_2_LO;
-    let mut p = 1.987_569_1e-4;
-    p = mul_add::<FMA>(p, r, 1.398_199_9e-3);
-    p = mul_add::<FMA>(p, r, 8.333_452e-3);
-    p = mul_add::<FMA>(p, r, 4.166_579_6e-2);
-    p = mul_add::<FMA>(p, r, 1.666_666_5e-1);
-    p = mul_add::<FMA>(p, r, 0.5);
+    let mut p = EXP_POLYNOMIAL[0];
+    for coefficient in &EXP_POLYNOMIAL[1..] {
+        p = mul_add::<FMA>(p, r, *coefficient);
+    }
     let p = mul_add::<FMA>(p, r * r, r) + 1.0;
     // 2^n from n's bits: (n + 127) << 23, with n = bits(shifted) - bits(ROUND).
     let exponent = shifted
