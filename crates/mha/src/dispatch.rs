@@ -19,6 +19,27 @@ const CHUNKED_AUTO_BLOCKS: BlockSizes = BlockSizes {
     key: 1024,
 };
 
+/// From this many keys in every query's row, [`AttentionPath::Auto`] gives the native flash
+/// kernel query blocks of [`LONG_ROW_BLOCKS`].
+pub(crate) const LONG_ROW_KEYS: usize = 2048;
+
+/// The native flash kernel's blocks when `Auto` takes it for rows of [`LONG_ROW_KEYS`] keys or
+/// more: twice the default's queries.
+///
+/// Why: the kernel's `gemm` calls pack their key-side factor (`Kᵀ`, `Vᵀ`, `K`: `seq_k × 64`
+/// floats each) again for every query block, so twice the queries per block halves that
+/// packing per product. At (1, 8192, 512, 8) on flex, 128 against 256 queries in alternating
+/// processes: `fwd+bwd` slower with 128 in 15 of 18 pairs (about 3% on average), `fwd` in 4
+/// of 4. Not below: at 512 tokens the two were within noise of each other. Nor where causal
+/// masking, a window or segments shorten the rows: the blocks on the diagonal waste twice the
+/// work, and a causal training step at 4096 tokens ran 0.38-0.40 s with 128 against 0.39-0.44 s
+/// with 256 (`long_sequence` bench). Each thread holds two `query × seq_k` blocks in the
+/// backward: 16 MiB at 8192 keys.
+pub(crate) const LONG_ROW_BLOCKS: BlockSizes = BlockSizes {
+    query: 256,
+    key: 1024,
+};
+
 /// The implementation one forward uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Kernel {
@@ -42,6 +63,9 @@ pub(crate) struct KernelRequest<'a> {
     pub float_mask_requires_grad: bool,
     /// `batch · n_heads · seq_q · seq_k`, appended keys included.
     pub score_elements: usize,
+    /// Every query's row holds at least [`LONG_ROW_KEYS`] keys (appended ones included) that no
+    /// positional rule (causal, window, segments) hides.
+    pub long_rows: bool,
     pub device: &'a Device,
 }
 
@@ -94,7 +118,10 @@ pub(crate) fn choose_kernel(request: &KernelRequest) -> Kernel {
             if flash_blocker.is_none()
                 && flash_kernel(request.device) == Some(FlashKernel::Native) =>
         {
-            Kernel::Flash(BlockSizes::default())
+            Kernel::Flash(match request.long_rows {
+                true => LONG_ROW_BLOCKS,
+                false => BlockSizes::default(),
+            })
         }
         // Elsewhere (the CubeCL backends, `flash/cube/`) for training, where it keeps memory
         // `O(seq)` instead of the explicit path's `O(seq²)`; inference goes to Burn's fused
@@ -187,6 +214,7 @@ mod tests {
             sinks: false,
             float_mask_requires_grad: false,
             score_elements: 1,
+            long_rows: false,
             device,
         }
     }
@@ -247,6 +275,30 @@ mod tests {
                     "{case:?}"
                 );
             }
+        }
+    }
+
+    #[test]
+    fn long_rows_get_larger_query_blocks_on_the_native_kernel_only() {
+        #[allow(deprecated)]
+        let ndarray = Device::ndarray();
+        for device in [Device::flex(), Device::flex().autodiff(), ndarray] {
+            let short = request(&device);
+            let long = KernelRequest {
+                long_rows: true,
+                ..short.clone()
+            };
+            assert_eq!(choose_kernel(&short), Kernel::Flash(BlockSizes::default()));
+            assert_eq!(choose_kernel(&long), Kernel::Flash(LONG_ROW_BLOCKS));
+            let forced = KernelRequest {
+                path: AttentionPath::Flash(BlockSizes::default()),
+                ..long
+            };
+            assert_eq!(
+                choose_kernel(&forced),
+                Kernel::Flash(BlockSizes::default()),
+                "forced blocks are the caller's"
+            );
         }
     }
 

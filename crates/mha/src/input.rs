@@ -30,7 +30,9 @@ pub enum AttentionPath {
     ///    those names), for inference and training, unless a float attention mask requires a
     ///    gradient (the flash op treats masks as constants). It is the fastest path at every size
     ///    measured there, keeps training memory `O(seq)`, and for inference writes the weights
-    ///    when they are requested, as it finds each block's probabilities.
+    ///    when they are requested, as it finds each block's probabilities. Blocks of 256
+    ///    queries when every query sees 2048 keys or more (no causal masking, window or
+    ///    segments), the [`BlockSizes`] default otherwise.
     /// 3. **Flash** on an autodiff device of the other backends it runs on (the CubeCL ones, see
     ///    [`flash_attention_supported`](crate::flash_attention_supported); native CubeCL
     ///    kernels there), under the same condition: training memory `O(seq)`.
@@ -80,8 +82,10 @@ pub struct BlockSizes {
 }
 
 impl Default for BlockSizes {
-    /// 128 queries × 1024 keys, what `Auto` gives the flash op: on the native kernel 64, 128 and
-    /// 256 query rows measured within noise of each other (`cargo bench --workspace --bench table`).
+    /// 128 queries × 1024 keys, what `Auto` gives the flash op, except on the native kernel for
+    /// rows of 2048 keys or more that no positional rule shortens (256 queries there; see
+    /// [`AttentionPath::Auto`]): on the native kernel 64, 128 and 256 query rows measured within
+    /// noise of each other at 512 tokens (`cargo bench --workspace --bench table`).
     fn default() -> Self {
         Self {
             query: 128,

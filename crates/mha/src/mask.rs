@@ -175,6 +175,12 @@ impl ScoreMasks {
 }
 
 impl Visibility {
+    /// Whether a positional rule (causal masking, a window, segments) hides some query's keys
+    /// by position, which makes rows shorter than `seq_k`.
+    pub fn shortens_rows(&self) -> bool {
+        self.causal || self.window.is_some() || self.segments.is_some()
+    }
+
     /// Whether the caller's float mask is a tensor that needs a gradient.
     pub fn float_mask_requires_grad(&self) -> bool {
         matches!(

@@ -7,7 +7,7 @@ use burn::nn::{Dropout, Linear};
 use burn::tensor::Tensor;
 
 use crate::cache::CacheOwner;
-use crate::dispatch::{Kernel, KernelRequest, choose_kernel, runs_on_flex};
+use crate::dispatch::{Kernel, KernelRequest, LONG_ROW_KEYS, choose_kernel, runs_on_flex};
 use crate::flash::{flash_attention, flash_attention_with_weights};
 use crate::geometry::Geometry;
 use crate::input::{AttentionPath, AttentionWeights, MhaInput, MhaOutput, NeedWeights};
@@ -362,6 +362,8 @@ impl MultiHeadAttention {
             float_mask_requires_grad: visibility.float_mask_requires_grad(),
             score_elements: geometry.score_elements()
                 + geometry.batch * geometry.n_heads * geometry.seq_q * self.extra_keys(),
+            long_rows: geometry.seq_k + self.extra_keys() >= LONG_ROW_KEYS
+                && !visibility.shortens_rows(),
             device: &device,
         });
         Plan {
@@ -585,4 +587,62 @@ fn append_zero_position(x: Tensor<4>) -> Tensor<4> {
     let [batch, heads, _, head_dim] = x.dims();
     let zeros = Tensor::<4>::zeros([batch, heads, 1, head_dim], (&x.device(), x.dtype()));
     Tensor::cat(vec![x, zeros], 2)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::MultiHeadAttentionConfig;
+    use crate::dispatch::LONG_ROW_BLOCKS;
+    use crate::input::BlockSizes;
+    use burn::tensor::Device;
+
+    fn visibility(causal: bool, window: Option<usize>) -> Visibility {
+        Visibility {
+            key_padding: None,
+            attn_mask: None,
+            causal,
+            window,
+            alibi: false,
+            positions: Positions::default(),
+            pinned_keys: 0,
+            segments: None,
+            extra_keys: 0,
+        }
+    }
+
+    /// The plan's block sizes for one query against `seq_k` keys under `visibility`.
+    fn auto_kernel(seq_k: usize, visibility: Visibility) -> Kernel {
+        let device = Device::flex();
+        let module = MultiHeadAttentionConfig::new(16, 2).init(&device);
+        let query = Tensor::<3>::zeros([1, 1, 16], &device);
+        let geometry = module.geometry(1, 1, seq_k);
+        let plan = module.plan(
+            visibility,
+            geometry,
+            AttentionPath::Auto,
+            NeedWeights::No,
+            &query,
+        );
+        plan.kernel
+    }
+
+    #[test]
+    fn auto_gives_long_unshortened_rows_the_larger_query_blocks() {
+        let long = LONG_ROW_KEYS;
+        assert_eq!(
+            auto_kernel(long, visibility(false, None)),
+            Kernel::Flash(LONG_ROW_BLOCKS)
+        );
+        assert_eq!(
+            auto_kernel(long - 1, visibility(false, None)),
+            Kernel::Flash(BlockSizes::default())
+        );
+        for shortened in [visibility(true, None), visibility(false, Some(64))] {
+            assert_eq!(
+                auto_kernel(long, shortened),
+                Kernel::Flash(BlockSizes::default())
+            );
+        }
+    }
 }
