@@ -175,6 +175,22 @@ impl ScoreMasks {
 }
 
 impl Visibility {
+    /// No mask, no rule, no appended key.
+    #[cfg(test)]
+    pub fn nothing_hidden() -> Self {
+        Self {
+            key_padding: None,
+            attn_mask: None,
+            causal: false,
+            window: None,
+            alibi: false,
+            positions: Positions::default(),
+            pinned_keys: 0,
+            segments: None,
+            extra_keys: 0,
+        }
+    }
+
     /// Whether a positional rule (causal masking, a window, segments) hides some query's keys
     /// by position, which makes rows shorter than `seq_k`.
     pub fn shortens_rows(&self) -> bool {
@@ -392,20 +408,6 @@ mod tests {
         }
     }
 
-    fn nothing_hidden() -> Visibility {
-        Visibility {
-            key_padding: None,
-            attn_mask: None,
-            causal: false,
-            window: None,
-            alibi: false,
-            positions: Positions::default(),
-            pinned_keys: 0,
-            segments: None,
-            extra_keys: 0,
-        }
-    }
-
     #[test]
     fn causal_mask_is_bottom_right_aligned() {
         let device = Device::flex();
@@ -437,7 +439,7 @@ mod tests {
             key_padding: Some(padding),
             causal: true,
             extra_keys: 1,
-            ..nothing_hidden()
+            ..Visibility::nothing_hidden()
         };
         let masks = visibility.score_masks(&geometry(2, 2, 2), (&device, DType::F32));
         let (forbid, _) = masks.block([2, 1], 0..2, 0..3, (&device, DType::F32));
@@ -458,7 +460,7 @@ mod tests {
             window: Some(2),
             causal: true,
             positions: Positions { query: 5, key: 3 },
-            ..nothing_hidden()
+            ..Visibility::nothing_hidden()
         };
         let masks = visibility.score_masks(&geometry(1, 2, 4), (&device, DType::F32));
         let (forbid, _) = masks.block([1, 1], 0..2, 0..4, (&device, DType::F32));

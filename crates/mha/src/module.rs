@@ -599,15 +599,9 @@ mod tests {
 
     fn visibility(causal: bool, window: Option<usize>) -> Visibility {
         Visibility {
-            key_padding: None,
-            attn_mask: None,
             causal,
             window,
-            alibi: false,
-            positions: Positions::default(),
-            pinned_keys: 0,
-            segments: None,
-            extra_keys: 0,
+            ..Visibility::nothing_hidden()
         }
     }
 
