@@ -6,7 +6,7 @@ use burn::tensor::Tensor;
 
 use crate::cache::{CacheError, CrossAttentionCache, KvCache};
 use crate::input::{AttentionPath, MhaInput, MhaOutput, NeedWeights};
-use crate::mask::{Positions, Visibility};
+use crate::mask::Visibility;
 use crate::module::MultiHeadAttention;
 use crate::shape::check_shape;
 
@@ -181,14 +181,8 @@ impl MultiHeadAttention {
         );
         let visibility = Visibility {
             key_padding: cache.key_padding_mask.clone(),
-            attn_mask: None,
-            causal: false,
-            window: None,
-            alibi: false,
-            positions: Positions::default(),
-            pinned_keys: 0,
-            segments: None,
             extra_keys: self.extra_keys(),
+            ..Visibility::nothing_hidden()
         };
         let geometry = self.geometry(batch, seq_q, cache.seq_k);
         let plan = self.plan(

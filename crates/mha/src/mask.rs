@@ -176,7 +176,6 @@ impl ScoreMasks {
 
 impl Visibility {
     /// No mask, no rule, no appended key.
-    #[cfg(test)]
     pub fn nothing_hidden() -> Self {
         Self {
             key_padding: None,
