@@ -6,6 +6,7 @@
 //! cargo bench --workspace --bench table -- --devices flex --shapes 4x512x512x8
 //! cargo bench --workspace --bench table -- --devices wgpu --shapes 8x128x256x8
 //! cargo bench --workspace --bench table -- --ours-only --modes fwd+bwd   # no Burn column
+//! cargo bench --workspace --bench table -- --burn-only --modes fwd+weights   # Burn's alone
 //! cargo bench --workspace --bench table -- --input-std 12     # a sharp softmax (tiny probabilities)
 //! ```
 //!
@@ -207,7 +208,7 @@ fn main() {
     let mut budget = Duration::from_secs(3);
     let mut max_runs = 15;
     let mut path = AttentionPath::Auto;
-    let mut with_burn = true;
+    let (mut with_ours, mut with_burn) = (true, true);
     let mut deviation = 1.0;
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
@@ -241,7 +242,12 @@ fn main() {
                 }
             }
             // `--ours-only`: no Burn column, for profiling this module alone (`perf record`).
-            "--ours-only" => with_burn = false,
+            "--ours-only" => (with_ours, with_burn) = (true, false),
+            // `--burn-only`: Burn's module alone; with `--ours-only` in another process, each
+            // module runs in its own. Alternated in one process, a large output of one lands in
+            // pages the other's call left free long enough for a virtual machine's host to
+            // reclaim them (free page reporting), which the next touch pays for.
+            "--burn-only" => (with_ours, with_burn) = (false, true),
             "--budget-s" => budget = Duration::from_secs_f64(value().parse().expect("seconds")),
             // `--max-runs`: 15 by default, as PyTorch's script; more to profile a small shape's
             // steady state rather than its first calls.
@@ -271,28 +277,33 @@ fn main() {
                     } else {
                         1.0
                     };
-                let mut cases = vec![ours((shape, deviation), mode, path, &device)];
+                let mut cases = Vec::new();
+                if with_ours {
+                    cases.push(ours((shape, deviation), mode, path, &device));
+                }
                 if with_burn {
                     cases.push(burn((shape, deviation), mode, &device));
                 }
-                let medians = interleaved_medians((budget, max_runs), &mut cases);
-                let ours = medians[0];
-                let burn_cells = match medians.get(1) {
-                    Some(burn) => format!(
-                        "{burn:.1} | {:.1} | {:.2}x",
-                        flops / burn / 1e6,
-                        burn / ours
-                    ),
-                    None => "- | - | -".to_string(),
+                let mut medians = interleaved_medians((budget, max_runs), &mut cases).into_iter();
+                let ours = with_ours.then(|| medians.next()).flatten();
+                let burn = with_burn.then(|| medians.next()).flatten();
+                let cells = |ms: Option<f64>| match ms {
+                    Some(ms) => format!("{ms:.1} | {:.1}", flops / ms / 1e6),
+                    None => "- | -".to_string(),
+                };
+                let speed_up = match (ours, burn) {
+                    (Some(ours), Some(burn)) => format!("{:.2}x", burn / ours),
+                    _ => "-".to_string(),
                 };
                 println!(
-                    "| {device_name} | {}, {}, {}, {} | {} | {ours:.1} | {:.1} | {burn_cells} |",
+                    "| {device_name} | {}, {}, {}, {} | {} | {} | {} | {speed_up} |",
                     shape.batch,
                     shape.seq,
                     shape.d_model,
                     shape.heads,
                     mode.name(),
-                    flops / ours / 1e6,
+                    cells(ours),
+                    cells(burn),
                 );
             }
         }
