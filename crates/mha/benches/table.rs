@@ -14,8 +14,9 @@
 //! `fwd+bwd` (autodiff device, gradient of `sum(context²)` with respect to the input and every
 //! parameter). Each call reads back the sum of the context and, with weights, one element of
 //! them (which makes a lazy backend compute them): summing the weights too would time flex's
-//! single-threaded reduction of `batch · heads · seq²` floats as well, not the module. Each cell is the median of several runs after a warm-up; GFLOP/s counts the
-//! four projections and the two attention matmuls (`fwd+bwd` counts three times the forward).
+//! single-threaded reduction of `batch · heads · seq²` floats as well, not the module. Each
+//! cell is the median of several runs after a warm-up; GFLOP/s counts the four projections and
+//! the two attention matmuls (`fwd+bwd` counts three times the forward).
 //! Burn's module always computes its weights, so its `fwd` and `fwd+weights` are one path.
 
 use std::time::{Duration, Instant};
