@@ -87,6 +87,9 @@ pub mod buffer_pool {
     //! kernel and the projections hand to flex tensors go back to a bounded pool when the
     //! tensors drop, so that a loop of calls of one shape writes into memory that is already
     //! mapped instead of faulting fresh pages in on every call. The pool keeps at most
-    //! [`POOL_BYTES`] idle, in buffers of 128 KiB to a quarter of that, oldest out first.
-    pub use crate::flash::recycle::{POOL_BYTES, idle_bytes, release};
+    //! [`POOL_BYTES`] idle and resident, in buffers of 128 KiB to a quarter of that, oldest out
+    //! first; larger buffers it keeps lazily freed (Linux's `MADV_FREE`, at most a quarter of
+    //! the machine's memory), pages that the kernel takes back whenever it needs memory
+    //! ([`lazily_freed_bytes`]). [`release`] frees all of them.
+    pub use crate::flash::recycle::{POOL_BYTES, idle_bytes, lazily_freed_bytes, release};
 }

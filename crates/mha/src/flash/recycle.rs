@@ -1,6 +1,6 @@
 //! Output buffers recycled between calls: the buffers that the CPU kernels (the flash op, the
-//! projections) hand to flex tensors go back to a small bounded pool when the tensor drops,
-//! and the next call of the same sizes writes into pages that are already mapped.
+//! projections) hand to flex tensors go back to a bounded pool when the tensor drops, and the
+//! next call of the same sizes writes into pages that are already mapped.
 //!
 //! Why: a buffer of a few hundred kilobytes or more comes from pages that the operating system
 //! maps on first touch, a fault and a page clear per 4 KiB; and glibc's allocator hands freed
@@ -9,27 +9,87 @@
 //! faults were 15% of a forward at (8, 128, 256, 8) under `perf record`. PyTorch's outputs come
 //! back from the heap instead, because the interpreter's own small objects keep its top in use.
 //!
-//! The pool keeps at most [`POOL_BYTES`] idle, buffers of [`MIN_BYTES`] to a quarter of that,
-//! and gives the oldest back to the allocator first; it matches buffers by exact length, which
-//! is what repeated calls of one shape ask for. ndarray's tensors own plain vectors, so on
-//! ndarray the kernels take buffers from the pool but do not give them back.
+//! Two tiers, both matching buffers by exact length (what repeated calls of one shape ask for)
+//! and giving the oldest back to the allocator first:
+//! - buffers of [`MIN_BYTES`] to a quarter of [`POOL_BYTES`] stay resident, at most
+//!   [`POOL_BYTES`] of them;
+//! - larger ones (the attention weights at long sequences, the projections' results there) are
+//!   kept *lazily freed* (Linux's `MADV_FREE`): their pages stay mapped, but the kernel may take
+//!   them back without writing anything out whenever it needs memory, and a page it took reads
+//!   as zeros and faults in a fresh one on its next write. At most a quarter of the machine's
+//!   memory is kept so. Elsewhere (another OS, a kernel without `MADV_FREE`) they are freed.
+//!
+//! Why the second tier: on a virtual machine whose balloon reports free pages to the host
+//! (virtio's free page reporting, the EPYC of the README), a fresh page faults twice, in the
+//! guest and in the host. Mapping, writing and unmapping 2 GiB (the per-head weights of
+//! (1, 8192, 512, 8)) took 0.26-1.84 s per round there, one second apart; writing a lazily
+//! freed 2 GiB again took 0.085-0.094 s. Those page clears were 45% of `fwd+weights` at that
+//! shape under `perf record`.
+//!
+//! ndarray's tensors own plain vectors, so on ndarray the kernels take buffers from the pool
+//! but do not give them back.
 
-use std::sync::Mutex;
+use std::sync::{Mutex, OnceLock};
 
-/// The most bytes the pool keeps idle.
+/// The most bytes the pool keeps idle and resident.
 pub const POOL_BYTES: usize = 64 << 20;
 /// Smaller buffers are left to the allocator, whose bins reuse them without faults.
 pub(crate) const MIN_BYTES: usize = 128 << 10;
+/// Larger buffers are kept lazily freed.
+const RESIDENT_MAX_BYTES: usize = POOL_BYTES / 4;
 
-struct Pool {
-    /// Oldest first.
+/// Idle buffers of one tier, oldest first.
+struct Tier {
     idle: Vec<Vec<f32>>,
     bytes: usize,
 }
 
+impl Tier {
+    const fn new() -> Self {
+        Self {
+            idle: Vec::new(),
+            bytes: 0,
+        }
+    }
+
+    /// The newest idle buffer of `length` elements: the likeliest to be in the caches still.
+    fn take(&mut self, length: usize) -> Option<Vec<f32>> {
+        let index = self
+            .idle
+            .iter()
+            .rposition(|buffer| buffer.len() == length)?;
+        let buffer = self.idle.remove(index);
+        self.bytes -= bytes_of(&buffer);
+        Some(buffer)
+    }
+
+    /// Keeps `buffer`; returns the oldest buffers, which the tier no longer holds, so that it
+    /// holds at most `bound` bytes.
+    fn keep(&mut self, buffer: Vec<f32>, bound: usize) -> Vec<Vec<f32>> {
+        self.bytes += bytes_of(&buffer);
+        self.idle.push(buffer);
+        let mut evicted = 0;
+        while self.bytes > bound {
+            self.bytes -= bytes_of(&self.idle[evicted]);
+            evicted += 1;
+        }
+        self.idle.drain(..evicted).collect()
+    }
+
+    fn clear(&mut self) -> Vec<Vec<f32>> {
+        self.bytes = 0;
+        std::mem::take(&mut self.idle)
+    }
+}
+
+struct Pool {
+    resident: Tier,
+    lazily_freed: Tier,
+}
+
 static POOL: Mutex<Pool> = Mutex::new(Pool {
-    idle: Vec::new(),
-    bytes: 0,
+    resident: Tier::new(),
+    lazily_freed: Tier::new(),
 });
 
 fn bytes_of(buffer: &Vec<f32>) -> usize {
@@ -82,28 +142,103 @@ const HUGE_PAGE_BYTES: usize = 2 << 20;
 /// its first touch costs a fault per 2 MiB instead of per 4 KiB. Where the system does not
 /// take the hint (huge pages off, another OS) nothing changes.
 ///
-/// Why: a buffer larger than the pool keeps (the attention weights at (1, 2048, 512, 8) are
-/// 128 MiB) is fresh pages on every call; their faults, page clears and memory-cgroup
-/// accounting were 20% of `fwd+weights` there under `perf record`. Linux here gives huge
-/// pages only to memory that asks for them (`transparent_hugepage/enabled` = `madvise`).
+/// Why: a fresh buffer larger than the resident tier keeps (the attention weights at
+/// (1, 2048, 512, 8) are 128 MiB) faults all its pages in on first touch; their faults, page
+/// clears and memory-cgroup accounting were 20% of `fwd+weights` there under `perf record`.
+/// Linux here gives huge pages only to memory that asks for them
+/// (`transparent_hugepage/enabled` = `madvise`).
 fn advise_huge_pages(buffer: &[f32]) {
     #[cfg(target_os = "linux")]
-    {
+    if let Some(pages) = aligned_part(buffer, HUGE_PAGE_BYTES) {
+        // SAFETY: `pages` is page-aligned and lies inside `buffer`'s allocation, which this
+        // call borrows; MADV_HUGEPAGE changes how the kernel backs those pages, never their
+        // contents. A failure (EINVAL where THP is not built in) is harmless.
+        unsafe {
+            libc::madvise(
+                pages.start as *mut libc::c_void,
+                pages.len(),
+                libc::MADV_HUGEPAGE,
+            );
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = buffer;
+}
+
+/// The addresses of the whole `alignment`-aligned blocks inside `buffer`, if there are any.
+fn aligned_part(buffer: &[f32], alignment: usize) -> Option<std::ops::Range<usize>> {
+    let start = buffer.as_ptr() as usize;
+    let end = start + std::mem::size_of_val(buffer);
+    let first = start.next_multiple_of(alignment);
+    let last = end / alignment * alignment;
+    (last > first).then_some(first..last)
+}
+
+/// The size of a memory page.
+#[cfg(target_os = "linux")]
+fn page_bytes() -> usize {
+    static PAGE_BYTES: OnceLock<usize> = OnceLock::new();
+    // SAFETY: `sysconf` reads a system constant; it has no preconditions.
+    *PAGE_BYTES.get_or_init(|| match unsafe { libc::sysconf(libc::_SC_PAGESIZE) } {
+        bytes if bytes > 0 => bytes as usize,
+        _ => 4096,
+    })
+}
+
+/// The most bytes the lazily freed tier keeps: a quarter of the machine's memory (none where
+/// that is unknown).
+fn lazily_freed_bound() -> usize {
+    static BOUND: OnceLock<usize> = OnceLock::new();
+    *BOUND.get_or_init(|| {
+        #[cfg(target_os = "linux")]
+        {
+            // SAFETY: `sysconf` reads a system constant; it has no preconditions.
+            let pages = unsafe { libc::sysconf(libc::_SC_PHYS_PAGES) };
+            usize::try_from(pages).map_or(0, |pages| pages.saturating_mul(page_bytes()) / 4)
+        }
+        #[cfg(not(target_os = "linux"))]
+        0
+    })
+}
+
+/// Lets the kernel take back `buffer`'s whole pages whenever it needs memory, keeping them
+/// mapped until it does (`MADV_FREE`); false, with nothing changed, where it cannot.
+///
+/// Until each such page is written again its elements may turn to zeros at any time: the
+/// buffer must not be read before [`pin`] has run.
+fn free_lazily(buffer: &mut [f32]) -> bool {
+    #[cfg(target_os = "linux")]
+    if let Some(pages) = aligned_part(buffer, page_bytes()) {
+        // SAFETY: `pages` is page-aligned and lies inside `buffer`'s allocation, which this
+        // call borrows mutably; MADV_FREE leaves each page mapped with either its contents or
+        // zeros, both valid `f32`s, and the caller reads none of them before `pin` writes each
+        // page, which ends the page's lazy state.
+        return unsafe {
+            libc::madvise(
+                pages.start as *mut libc::c_void,
+                pages.len(),
+                libc::MADV_FREE,
+            )
+        } == 0;
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = buffer;
+    false
+}
+
+/// Writes one element of each whole page of a buffer that [`free_lazily`] gave up, so that every
+/// page holds fixed values again (a page the kernel took faults a fresh one in; one it left is
+/// the caller's again): the values are then the old ones or zeros, and stay so.
+fn pin(buffer: &mut [f32]) {
+    #[cfg(target_os = "linux")]
+    if let Some(pages) = aligned_part(buffer, page_bytes()) {
         let start = buffer.as_ptr() as usize;
-        let end = start + std::mem::size_of_val(buffer);
-        let first = start.next_multiple_of(HUGE_PAGE_BYTES);
-        let last = end / HUGE_PAGE_BYTES * HUGE_PAGE_BYTES;
-        if last > first {
-            // SAFETY: `first..last` is page-aligned and lies inside `buffer`'s allocation,
-            // which this call borrows; MADV_HUGEPAGE changes how the kernel backs those pages,
-            // never their contents. A failure (EINVAL where THP is not built in) is harmless.
-            unsafe {
-                libc::madvise(
-                    first as *mut libc::c_void,
-                    last - first,
-                    libc::MADV_HUGEPAGE,
-                );
-            }
+        for page in pages.step_by(page_bytes()) {
+            let element = &mut buffer[(page - start) / size_of::<f32>()];
+            // SAFETY: `element` is a valid, aligned `&mut f32` into `buffer`. The write is
+            // volatile so that it is not merged away with the caller's later writes: the page
+            // must be written before any of its elements is read.
+            unsafe { std::ptr::write_volatile(element, 0.0) };
         }
     }
     #[cfg(not(target_os = "linux"))]
@@ -111,59 +246,66 @@ fn advise_huge_pages(buffer: &[f32]) {
 }
 
 fn take(length: usize) -> Option<Vec<f32>> {
-    if length * size_of::<f32>() < MIN_BYTES {
+    let bytes = length * size_of::<f32>();
+    if bytes < MIN_BYTES {
         return None;
     }
     let mut pool = POOL.lock().ok()?;
-    // The newest of that length: the likeliest to be in the caches still.
-    let index = pool
-        .idle
-        .iter()
-        .rposition(|buffer| buffer.len() == length)?;
-    let buffer = pool.idle.remove(index);
-    pool.bytes -= bytes_of(&buffer);
+    if bytes <= RESIDENT_MAX_BYTES {
+        return pool.resident.take(length);
+    }
+    let mut buffer = pool.lazily_freed.take(length)?;
+    drop(pool);
+    pin(&mut buffer);
     Some(buffer)
 }
 
-/// Keeps `buffer` for a later call, if it is of a size the pool keeps; the oldest buffers go
-/// back to the allocator when the pool would hold more than [`POOL_BYTES`].
-pub(crate) fn give_back(buffer: Vec<f32>) {
+/// Keeps `buffer` for a later call, if it is of a size the pool keeps; the oldest buffers of
+/// its tier go back to the allocator when the tier would hold more than its bound.
+pub(crate) fn give_back(mut buffer: Vec<f32>) {
     let bytes = bytes_of(&buffer);
-    if !(MIN_BYTES..=POOL_BYTES / 4).contains(&bytes) {
+    if bytes < MIN_BYTES {
+        return;
+    }
+    let resident = bytes <= RESIDENT_MAX_BYTES;
+    // Outside the lock: `madvise` over gigabytes takes a while.
+    if !resident && (bytes > lazily_freed_bound() || !free_lazily(&mut buffer)) {
         return;
     }
     let evicted = {
         let Ok(mut pool) = POOL.lock() else {
             return;
         };
-        pool.idle.push(buffer);
-        pool.bytes += bytes;
-        let mut evicted = 0;
-        let mut kept_bytes = pool.bytes;
-        while kept_bytes > POOL_BYTES {
-            kept_bytes -= bytes_of(&pool.idle[evicted]);
-            evicted += 1;
+        if resident {
+            pool.resident.keep(buffer, POOL_BYTES)
+        } else {
+            pool.lazily_freed.keep(buffer, lazily_freed_bound())
         }
-        pool.bytes = kept_bytes;
-        pool.idle.drain(..evicted).collect::<Vec<_>>()
     };
     // Freed outside the lock: unmapping a large buffer takes a while.
     drop(evicted);
 }
 
-/// Bytes the pool holds idle.
+/// Bytes the pool holds idle: resident, and lazily freed (which the kernel may have taken back
+/// in part; see [`lazily_freed_bytes`]).
 pub fn idle_bytes() -> usize {
-    POOL.lock().map_or(0, |pool| pool.bytes)
+    POOL.lock()
+        .map_or(0, |pool| pool.resident.bytes + pool.lazily_freed.bytes)
+}
+
+/// Bytes the pool holds in buffers larger than a quarter of [`POOL_BYTES`], kept lazily freed
+/// (Linux's `MADV_FREE`): still mapped and reused without faults while the kernel does not need
+/// the memory, taken back by the kernel, without any write-out, when it does. Processes count
+/// them in their resident size until then.
+pub fn lazily_freed_bytes() -> usize {
+    POOL.lock().map_or(0, |pool| pool.lazily_freed.bytes)
 }
 
 /// Hands every idle buffer back to the allocator (as `torch.cuda.empty_cache()` does for
 /// PyTorch's GPU pool).
 pub fn release() {
     let idle = match POOL.lock() {
-        Ok(mut pool) => {
-            pool.bytes = 0;
-            std::mem::take(&mut pool.idle)
-        }
+        Ok(mut pool) => [pool.resident.clear(), pool.lazily_freed.clear()],
         Err(_) => return,
     };
     drop(idle);
@@ -286,9 +428,10 @@ mod tests {
             .collect()
     }
 
-    /// The flags (`VmFlags`) of the mapping of this process that holds `address`.
+    /// The field `name` (`VmFlags`, `LazyFree`) of the mapping of this process that holds
+    /// `address`, as `/proc/self/smaps` writes it.
     #[cfg(target_os = "linux")]
-    fn mapping_flags(address: usize) -> String {
+    fn mapping_field(address: usize, name: &str) -> String {
         let smaps = std::fs::read_to_string("/proc/self/smaps").expect("/proc/self/smaps");
         let mut inside = false;
         for line in smaps.lines() {
@@ -301,11 +444,25 @@ mod tests {
             });
             if let Some((start, end)) = range {
                 inside = (start..end).contains(&address);
-            } else if inside && let Some(flags) = line.strip_prefix("VmFlags:") {
-                return flags.to_string();
+            } else if inside
+                && let Some(value) = line
+                    .strip_prefix(name)
+                    .and_then(|rest| rest.strip_prefix(':'))
+            {
+                return value.trim().to_string();
             }
         }
-        panic!("no mapping holds {address:#x}");
+        panic!("no mapping holds {address:#x}, or it has no {name}");
+    }
+
+    /// The kilobytes of the mapping that holds `address` that the kernel may take back.
+    #[cfg(target_os = "linux")]
+    fn lazily_freed_kib(address: usize) -> usize {
+        let value = mapping_field(address, "LazyFree");
+        value
+            .strip_suffix(" kB")
+            .and_then(|kib| kib.parse().ok())
+            .unwrap_or_else(|| panic!("LazyFree: {value}"))
     }
 
     /// A fresh buffer of 2 MiB or more asks for huge pages (the `hg` flag on its 2 MiB-aligned
@@ -325,7 +482,7 @@ mod tests {
                 Some(value) => filled(length + 1, value),
             };
             let first = (buffer.as_ptr() as usize).next_multiple_of(HUGE_PAGE_BYTES);
-            let flags = mapping_flags(first);
+            let flags = mapping_field(first, "VmFlags");
             assert!(
                 flags.split_whitespace().any(|flag| flag == "hg"),
                 "{value:?}: flags {flags}"
@@ -358,27 +515,66 @@ mod tests {
     }
 
     #[test]
-    fn small_and_oversized_buffers_are_not_kept() {
+    fn small_buffers_are_not_kept() {
         let small = vec![0.0f32; MIN_BYTES / 4 - 1];
         let pointer = small.as_ptr();
         give_back(small);
         assert!(take(MIN_BYTES / 4 - 1).is_none_or(|b| b.as_ptr() != pointer));
-        let huge_length = POOL_BYTES / 4 / 4 + 1;
-        let before = idle_bytes();
-        give_back(vec![0.0f32; huge_length]);
-        assert!(
-            take(huge_length).is_none(),
-            "{huge_length} floats kept ({before} idle before)"
-        );
+    }
+
+    /// A buffer too large for the resident tier comes back lazily freed (the kernel counts its
+    /// pages `LazyFree`), and taken again it is the same allocation with every page the
+    /// process's own once more, holding what the caller writes.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_large_buffer_is_kept_lazily_freed_and_pinned_when_taken() {
+        let _serial = serial();
+        let length = RESIDENT_MAX_BYTES / 4 + 54_321;
+        let first = filled(length, 3.0);
+        let pointer = first.as_ptr();
+        let page = aligned_part(&first, page_bytes())
+            .expect("whole pages")
+            .start;
+        assert_eq!(lazily_freed_kib(page), 0, "fresh");
+        give_back(first);
+        assert!(lazily_freed_bytes() >= length * 4);
+        assert!(lazily_freed_kib(page) > 0, "given back");
+        let mut again = buffer(length);
+        assert_eq!(again.as_ptr(), pointer, "the same allocation");
+        assert_eq!(lazily_freed_kib(page), 0, "pinned");
+        assert!(again.iter().all(|&x| x == 3.0 || x == 0.0));
+        again
+            .iter_mut()
+            .enumerate()
+            .for_each(|(i, x)| *x = i as f32);
+        assert!(again.iter().enumerate().all(|(i, &x)| x == i as f32));
     }
 
     #[test]
-    fn the_pool_never_holds_more_than_its_bound() {
+    fn a_tier_gives_back_its_oldest_buffers_beyond_its_bound() {
+        let mut tier = Tier::new();
+        let [a, b, c] = [1.0f32, 2.0, 3.0].map(|value| vec![value; 1000]);
+        let a_pointer = a.as_ptr();
+        assert!(tier.keep(a, 8000).is_empty());
+        assert!(tier.keep(b, 8000).is_empty());
+        let evicted = tier.keep(c, 8000);
+        assert_eq!(evicted.len(), 1);
+        assert_eq!(evicted[0].as_ptr(), a_pointer, "the oldest");
+        assert_eq!(tier.bytes, 8000);
+        assert_eq!(tier.take(1000).map(|b| b[0]), Some(3.0), "the newest first");
+        assert_eq!(tier.take(1000).map(|b| b[0]), Some(2.0));
+        assert!(tier.take(1000).is_none());
+        assert_eq!(tier.bytes, 0);
+    }
+
+    #[test]
+    fn the_resident_tier_never_holds_more_than_its_bound() {
         let _serial = serial();
-        let length = POOL_BYTES / 4 / 4 - 7;
+        let length = RESIDENT_MAX_BYTES / 4 - 7;
         for _ in 0..6 {
             give_back(vec![2.0f32; length]);
-            assert!(idle_bytes() <= POOL_BYTES, "{} idle", idle_bytes());
+            let resident = POOL.lock().expect("pool").resident.bytes;
+            assert!(resident <= POOL_BYTES, "{resident} idle");
         }
     }
 
