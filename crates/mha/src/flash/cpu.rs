@@ -213,26 +213,57 @@ fn forward_writing_weights<B: CpuStorage>(
         false => (0..batch * n_heads).map(|_| None).collect(),
     };
     let shared_output = SharedBuffer::new(&mut output);
-    for_each_task(
-        softmax_stats
-            .chunks_mut(seq_q * 2)
-            .zip(head_weights)
-            .enumerate()
-            .collect(),
-        kernel.parallel(),
-        ForwardScratch::default,
-        |scratch, (index, (head_stats, head_weights))| {
-            let (b, h) = (index / n_heads, index % n_heads);
-            // SAFETY: task `index` alone takes head (b, h) of the output.
-            let mut head_output = unsafe { shared_output.head(output_shape, b, h) };
-            let head = HeadOutputs {
-                stats: head_stats,
-                output: &mut head_output,
-                weights: head_weights,
-            };
-            kernel.forward_head(scratch, (b, h), head);
-        },
-    );
+    let per_head = softmax_stats.chunks_mut(seq_q * 2).zip(head_weights);
+    if kernel.reads_values_once_per_group() {
+        let groups = geometry.groups();
+        let mut tasks: Vec<Vec<_>> = Vec::with_capacity(batch * geometry.n_kv_heads);
+        for (index, head) in per_head.enumerate() {
+            if index % groups == 0 {
+                tasks.push(Vec::with_capacity(groups));
+            }
+            tasks.last_mut().expect("pushed above").push(head);
+        }
+        for_each_task(
+            tasks.into_iter().enumerate().collect(),
+            kernel.parallel(),
+            ForwardScratch::default,
+            |scratch, (index, group)| {
+                let (b, kv_head) = (index / geometry.n_kv_heads, index % geometry.n_kv_heads);
+                let mut head_outputs: Vec<MatrixMut> = (0..groups)
+                    // SAFETY: task `index` alone takes the query heads of key/value head
+                    // (b, kv_head) of the output.
+                    .map(|g| unsafe { shared_output.head(output_shape, b, kv_head * groups + g) })
+                    .collect();
+                let heads = group
+                    .into_iter()
+                    .zip(head_outputs.iter_mut())
+                    .map(|((stats, weights), output)| HeadOutputs {
+                        stats,
+                        output,
+                        weights,
+                    })
+                    .collect();
+                kernel.forward_group(scratch, (b, kv_head), heads);
+            },
+        );
+    } else {
+        for_each_task(
+            per_head.enumerate().collect(),
+            kernel.parallel(),
+            ForwardScratch::default,
+            |scratch, (index, (head_stats, head_weights))| {
+                let (b, h) = (index / n_heads, index % n_heads);
+                // SAFETY: task `index` alone takes head (b, h) of the output.
+                let mut head_output = unsafe { shared_output.head(output_shape, b, h) };
+                let head = HeadOutputs {
+                    stats: head_stats,
+                    output: &mut head_output,
+                    weights: head_weights,
+                };
+                kernel.forward_head(scratch, (b, h), head);
+            },
+        );
+    }
     let forward = FlashForward {
         output: B::sequence_major(output, output_shape),
         softmax_stats: B::contiguous(softmax_stats, stats_shape),
@@ -1016,6 +1047,9 @@ struct ForwardScratch {
     transposed_key: Vec<f32>,
     /// The head's values as dense rows ([`dense_copy`]).
     dense_value: Vec<f32>,
+    /// [`Kernel::forward_group`]: each query head's block, and the group's unscaled output rows.
+    group_blocks: Vec<ForwardBlockScratch>,
+    group_output: Vec<f32>,
 }
 
 #[derive(Default)]
@@ -1323,6 +1357,14 @@ impl<'a> Kernel<'a> {
             && self.geometry.seq_q >= MIN_QUERIES_TO_TRANSPOSE
     }
 
+    /// Whether the forward serves a key/value head's query heads together
+    /// ([`Kernel::forward_group`]): under grouped-query attention when each head's keys and
+    /// values are read in place ([`Kernel::copies_heads`] false: fewer than
+    /// [`MIN_QUERIES_TO_TRANSPOSE`] queries, a decoding step).
+    fn reads_values_once_per_group(&self) -> bool {
+        self.geometry.groups() > 1 && !self.copies_heads()
+    }
+
     /// `head` (a key or value head) as dense rows in `buffer` ([`dense_copy`]) when
     /// [`Kernel::copies_heads`], else as it is.
     fn dense_rows<'t>(&self, buffer: &'t mut Vec<f32>, head: Matrix<'t>) -> Matrix<'t> {
@@ -1417,6 +1459,7 @@ impl<'a> Kernel<'a> {
             block: block_scratch,
             transposed_key,
             dense_value,
+            ..
         } = scratch;
         let (b, h) = head;
         let kv_head = self.geometry.kv_head(h);
@@ -1445,17 +1488,47 @@ impl<'a> Kernel<'a> {
         queries: (usize, usize),
         outputs: HeadOutputs,
     ) {
-        let (b, h) = head;
         let HeadOutputs {
             stats,
             output,
             weights,
         } = outputs;
-        let sink = self.sinks.map(|sinks| sinks[h]);
-        let keys = self.key_range(b, queries);
+        let keys = self.key_range(head.0, queries);
+        if !self.block_probabilities(scratch, (head, key_t), queries, &keys, (stats, weights)) {
+            for row in 0..queries.1 {
+                output.row(row).fill(0.0);
+            }
+            return;
+        }
+        let (q_len, width) = (queries.1, keys.len());
+        // O = P V, then each row divided by its sum.
+        gemm(
+            output,
+            false,
+            Matrix::new(&scratch.scores, q_len, width, width, 1),
+            value.rows(keys.start, width),
+            1.0,
+        );
+        for (row, inverse_sum) in scratch.inverse_sums.iter().enumerate() {
+            output.row(row).iter_mut().for_each(|x| *x *= inverse_sum);
+        }
+    }
+
+    /// One query block's softmax numerators over `keys` (`[q_len, keys.len()]` in
+    /// `scratch.scores`) and the inverse of each row's sum (`scratch.inverse_sums`); writes the
+    /// rows' statistics and, when asked for, weights. False when no query of the block sees a
+    /// key: the statistics then make every recomputed probability 0 (the sink's alone is 1),
+    /// the weights are zeros, and the caller writes zero output rows.
+    fn block_probabilities(
+        &self,
+        scratch: &mut ForwardBlockScratch,
+        (head, key_t): ((usize, usize), Matrix),
+        queries: (usize, usize),
+        keys: &Range<usize>,
+        (stats, weights): (&mut [f32], Option<&mut [f32]>),
+    ) -> bool {
+        let sink = self.sinks.map(|sinks| sinks[head.1]);
         if keys.is_empty() {
-            // No query of the block sees a key: zero output and weights, and statistics that
-            // make every recomputed probability 0 (the sink's alone is 1).
             let row_stats = match sink {
                 Some(sink) => [sink, 1.0],
                 None => [f32::MIN, 0.0],
@@ -1463,20 +1536,17 @@ impl<'a> Kernel<'a> {
             for stats in stats.chunks_exact_mut(2) {
                 stats.copy_from_slice(&row_stats);
             }
-            for row in 0..queries.1 {
-                output.row(row).fill(0.0);
-            }
             if let Some(weights) = weights {
                 weights.fill(0.0);
             }
-            return;
+            return false;
         }
-        let (q_len, width) = (queries.1, keys.len());
+        let width = keys.len();
         let ForwardBlockScratch {
             scores,
             inverse_sums,
         } = scratch;
-        let scores = self.score_block(scores, None, head, queries, (&keys, key_t));
+        let scores = self.score_block(scores, None, head, queries, (keys, key_t));
         inverse_sums.clear();
         for (row_scores, row_stats) in scores
             .chunks_exact_mut(width)
@@ -1498,16 +1568,91 @@ impl<'a> Kernel<'a> {
                 simd::scaled_copy(&mut weights_row[keys.clone()], numerators, *inverse_sum);
             }
         }
-        // O = P V, then each row divided by its sum.
-        gemm(
-            output,
-            false,
-            Matrix::new(scores, q_len, width, width, 1),
-            value.rows(keys.start, width),
-            1.0,
+        true
+    }
+
+    /// Writes the outputs of key/value head `(b, kv_head)`'s query heads (`heads`, in order),
+    /// query block by query block: each head's scores and probabilities as
+    /// [`Kernel::forward_query_block`] finds them, then `P V` for all of them in one pass over
+    /// the value rows ([`simd::weighted_row_sums`]), where a product per head would read them
+    /// once per query head. The scores go through the same code as the backward's, which
+    /// recomputes them head by head; only the output's summation order differs.
+    fn forward_group(
+        &self,
+        scratch: &mut ForwardScratch,
+        (b, kv_head): (usize, usize),
+        mut heads: Vec<HeadOutputs>,
+    ) {
+        let (groups, seq_k, value_dim) = (
+            self.geometry.groups(),
+            self.geometry.seq_k,
+            self.geometry.value_dim,
         );
-        for (row, inverse_sum) in inverse_sums.iter().enumerate() {
-            output.row(row).iter_mut().for_each(|x| *x *= inverse_sum);
+        assert_eq!(
+            heads.len(),
+            groups,
+            "forward_group: one output per query head"
+        );
+        let ForwardScratch {
+            transposed_key,
+            dense_value,
+            group_blocks,
+            group_output,
+            ..
+        } = scratch;
+        let key_t = self
+            .transposed_head((transposed_key, None), (b, kv_head))
+            .key;
+        let value = self.dense_rows(dense_value, self.value.head(b, kv_head));
+        group_blocks.resize_with(groups, ForwardBlockScratch::default);
+        for (q_start, q_len) in self.query_blocks() {
+            let keys = self.key_range(b, (q_start, q_len));
+            for (group_index, (head, block)) in
+                heads.iter_mut().zip(group_blocks.iter_mut()).enumerate()
+            {
+                let stats = &mut head.stats[2 * q_start..2 * (q_start + q_len)];
+                let weights = head
+                    .weights
+                    .as_deref_mut()
+                    .map(|weights| &mut weights[q_start * seq_k..(q_start + q_len) * seq_k]);
+                let h = kv_head * groups + group_index;
+                self.block_probabilities(
+                    block,
+                    ((b, h), key_t),
+                    (q_start, q_len),
+                    &keys,
+                    (stats, weights),
+                );
+            }
+            if keys.is_empty() {
+                for head in &mut heads {
+                    for row in q_start..q_start + q_len {
+                        head.output.row(row).fill(0.0);
+                    }
+                }
+                continue;
+            }
+            let width = keys.len();
+            let probability_rows: Vec<&[f32]> = group_blocks
+                .iter()
+                .flat_map(|block| block.scores[..q_len * width].chunks_exact(width))
+                .collect();
+            let sums = grown(group_output, probability_rows.len() * value_dim);
+            let values = value.rows(keys.start, width);
+            debug_assert_eq!(
+                values.column_stride, 1,
+                "heads are read with unit column stride"
+            );
+            simd::weighted_row_sums(sums, &probability_rows, values.values, values.row_stride);
+            let mut sum_rows = sums.chunks_exact(value_dim);
+            for (head, block) in heads.iter_mut().zip(group_blocks.iter()) {
+                for (row, inverse_sum) in (q_start..).zip(&block.inverse_sums) {
+                    let sum_row = sum_rows.next().expect("one sum row per query row");
+                    for (out, &sum) in head.output.row(row).iter_mut().zip(sum_row) {
+                        *out = sum * inverse_sum;
+                    }
+                }
+            }
         }
     }
 

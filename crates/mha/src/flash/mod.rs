@@ -1016,13 +1016,42 @@ mod tests {
         all
     }
 
+    /// Asserts that each of [`outputs_and_grads`]'s tensors in `actual` is within `tolerance`
+    /// of `expected`'s, naming `label` and the tensor where one is not.
+    fn assert_outputs_and_grads_close(
+        actual: Vec<Tensor<4>>,
+        expected: &[Tensor<4>],
+        tolerance: f32,
+        label: &str,
+    ) {
+        assert_eq!(actual.len(), expected.len(), "{label}: tensors");
+        for (index, (actual, expected)) in actual.into_iter().zip(expected).enumerate() {
+            let what = ["output", "d query", "d key", "d value", "d sinks"][index];
+            let difference = (actual - expected.clone()).abs().max().into_scalar::<f32>();
+            assert!(
+                difference <= tolerance,
+                "{label}: {what} differs by {difference}"
+            );
+        }
+    }
+
     /// Random q `[2, 4, seq_q, 6]`, k `[2, 2, seq_k, 6]`, v `[2, 2, seq_k, 3]` (two query heads
     /// per key/value head) and sinks `[4]`.
     fn grouped_heads(device: &Device, seq_q: usize, seq_k: usize) -> ([Tensor<4>; 3], Tensor<1>) {
+        grouped_heads_with_values(device, seq_q, seq_k, 3)
+    }
+
+    /// [`grouped_heads`] with value heads `value_dim` wide.
+    fn grouped_heads_with_values(
+        device: &Device,
+        seq_q: usize,
+        seq_k: usize,
+        value_dim: usize,
+    ) -> ([Tensor<4>; 3], Tensor<1>) {
         let heads = [
             normal([2, 4, seq_q, 6], device),
             normal([2, 2, seq_k, 6], device),
-            normal([2, 2, seq_k, 3], device),
+            normal([2, 2, seq_k, value_dim], device),
         ];
         (heads, normal([4], device))
     }
@@ -1073,20 +1102,12 @@ mod tests {
                             ("generic", with_generic_body(flash)),
                         ];
                         for (body, actual) in bodies {
-                            assert_eq!(actual.len(), expected.len());
-                            for (index, (actual, expected)) in
-                                actual.into_iter().zip(&expected).enumerate()
-                            {
-                                let what =
-                                    ["output", "d query", "d key", "d value", "d sinks"][index];
-                                let difference =
-                                    (actual - expected.clone()).abs().max().into_scalar::<f32>();
-                                assert!(
-                                    difference <= 1e-5,
-                                    "{} {seq_q}x{seq_k} {blocks:?} {body}: {what} differs by {difference}",
-                                    case.label
-                                );
-                            }
+                            assert_outputs_and_grads_close(
+                                actual,
+                                &expected,
+                                1e-5,
+                                &format!("{} {seq_q}x{seq_k} {blocks:?} {body}", case.label),
+                            );
                         }
                     }
                 }
@@ -1165,15 +1186,12 @@ mod tests {
                     "{} {seq_q}x{seq_k}: native forward and backward calls",
                     case.label
                 );
-                for (index, (actual, expected)) in actual.into_iter().zip(&expected).enumerate() {
-                    let what = ["output", "d query", "d key", "d value", "d sinks"][index];
-                    let difference = (actual - expected.clone()).abs().max().into_scalar::<f32>();
-                    assert!(
-                        difference <= 1e-4,
-                        "{} {seq_q}x{seq_k}: {what} differs by {difference}",
-                        case.label
-                    );
-                }
+                assert_outputs_and_grads_close(
+                    actual,
+                    &expected,
+                    1e-4,
+                    &format!("{} {seq_q}x{seq_k}", case.label),
+                );
             }
         }
         // Head width 64 over 600 queries and keys: a unit's loops run more than 65535
@@ -1388,16 +1406,50 @@ mod tests {
         }
     }
 
+    /// A decoding-like call under grouped-query attention (3 query heads per key/value head, 2
+    /// queries: 6 rows, a block of four and one of two) with value heads 80 wide (a 64-column
+    /// chunk and a remainder), where the native forward reads each value row once per group:
+    /// the explicit path's outputs and gradients on every case (the weights: below).
+    #[test]
+    fn grouped_query_heads_sharing_one_pass_over_wide_values_equal_the_explicit_path() {
+        let dropout = DropoutConfig::new(0.0).init();
+        let (batch, n_heads, n_kv_heads, seq_q, seq_k) = (2, 6, 2, 2, 37);
+        for device in cpu_devices() {
+            let device = device.autodiff();
+            device.seed(34);
+            let query = normal([batch, n_heads, seq_q, 16], &device);
+            let key = normal([batch, n_kv_heads, seq_k, 16], &device);
+            let value = normal([batch, n_kv_heads, seq_k, 80], &device);
+            let sinks = normal([n_heads], &device);
+            let heads = [&query, &key, &value];
+            let blocks = BlockSizes { query: 4, key: 8 };
+            for case in cases(&device, [batch, n_heads, seq_q, seq_k]) {
+                let sinks = case.sinks.then_some(&sinks);
+                let expected = outputs_and_grads(heads, sinks, |q, k, v, s| {
+                    explicit_attention(q, k, v, &case.masks, &options(&case, s), &dropout).0
+                });
+                let actual = recycle::poison::with(|| {
+                    outputs_and_grads(heads, sinks, |q, k, v, s| {
+                        flash_attention(q, k, v, &case.masks, &options(&case, s), blocks)
+                    })
+                });
+                assert_outputs_and_grads_close(actual, &expected, 2e-5, case.label);
+            }
+        }
+    }
+
     /// For inference, both bodies return the explicit path's weights beside its output on every
-    /// case: zero for hidden keys and for a row that sees no key, the sinks' share left out.
+    /// case: zero for hidden keys and for a row that sees no key, the sinks' share left out;
+    /// the last shape, 2 queries over value heads 80 wide, is a decoding step's grouped pass.
     #[test]
     fn both_bodies_return_the_explicit_paths_weights() {
         let dropout = DropoutConfig::new(0.0).init();
         for device in cpu_devices() {
             device.seed(33);
-            for (seq_q, seq_k) in [(5, 7), (7, 3)] {
+            for (seq_q, seq_k, value_dim) in [(5, 7, 3), (7, 3, 3), (2, 37, 80)] {
                 let (batch, n_heads) = (2, 4);
-                let ([query, key, value], sinks) = grouped_heads(&device, seq_q, seq_k);
+                let ([query, key, value], sinks) =
+                    grouped_heads_with_values(&device, seq_q, seq_k, value_dim);
                 for case in cases(&device, [batch, n_heads, seq_q, seq_k]) {
                     let options = options(&case, case.sinks.then(|| sinks.clone()));
                     let (context, weights) = explicit_attention(

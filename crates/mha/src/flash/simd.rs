@@ -254,6 +254,101 @@ dispatch! {
     }
 }
 
+/// Rows of [`weighted_row_sums`] summed in one pass over the value rows: their accumulators
+/// for [`VALUE_COLUMNS`] columns fill 16 of AVX-512's 32 registers.
+const WEIGHTED_ROWS: usize = 4;
+/// Columns of the value rows one pass of [`weighted_row_sums`] reads.
+const VALUE_COLUMNS: usize = 4 * LANES;
+
+/// `outputs` row `r` ← `Σ_k weights[r][k] · values[k · value_stride..][..width]`, with `width =
+/// outputs.len() / weights.len()`: the `P V` of several query rows that share their value rows
+/// (the query heads of a key/value head in a decoding step), reading each value row once for
+/// four of them where a matrix product per query head reads all of them per head.
+///
+/// # Panics
+///
+/// If `outputs` is not `weights.len()` rows, the weight rows differ in length, or `values`
+/// holds fewer rows than there are weights per row.
+pub(crate) fn weighted_row_sums(
+    outputs: &mut [f32],
+    weights: &[&[f32]],
+    values: &[f32],
+    value_stride: usize,
+) {
+    let Some(first) = weights.first() else {
+        assert!(
+            outputs.is_empty(),
+            "weighted_row_sums: outputs without weights"
+        );
+        return;
+    };
+    let (count, width) = (first.len(), outputs.len() / weights.len());
+    assert!(
+        outputs.len() == weights.len() * width && weights.iter().all(|w| w.len() == count),
+        "weighted_row_sums: {} outputs for {} weight rows of {count}",
+        outputs.len(),
+        weights.len()
+    );
+    assert!(
+        count == 0 || width == 0 || (count - 1) * value_stride + width <= values.len(),
+        "weighted_row_sums: {count} value rows of {width} (stride {value_stride}) need more \
+         than {} values",
+        values.len()
+    );
+    weighted_row_sums_checked(outputs, weights, values, value_stride, width);
+}
+
+dispatch! {
+    fn weighted_row_sums_checked(
+        outputs: &mut [f32],
+        weights: &[&[f32]],
+        values: &[f32],
+        value_stride: usize,
+        width: usize
+    ) -> () {
+        for (block, block_weights) in outputs
+            .chunks_mut(WEIGHTED_ROWS * width)
+            .zip(weights.chunks(WEIGHTED_ROWS))
+        {
+            let mut start = 0;
+            while start < width {
+                let columns = VALUE_COLUMNS.min(width - start);
+                let value_row = |key: usize| &values[key * value_stride + start..][..columns];
+                let mut sums = [[0.0f32; VALUE_COLUMNS]; WEIGHTED_ROWS];
+                if columns == VALUE_COLUMNS {
+                    // Fixed-length rows, so that the sums stay in registers.
+                    for key in 0..block_weights[0].len() {
+                        let value: &[f32; VALUE_COLUMNS] =
+                            value_row(key).try_into().expect("a whole chunk");
+                        for (row, sums) in sums.iter_mut().enumerate() {
+                            if let Some(weights) = block_weights.get(row) {
+                                let weight = weights[key];
+                                for (sum, &value) in sums.iter_mut().zip(value) {
+                                    *sum = mul_add::<FMA>(weight, value, *sum);
+                                }
+                            }
+                        }
+                    }
+                } else {
+                    for key in 0..block_weights[0].len() {
+                        let value = value_row(key);
+                        for (sums, weights) in sums.iter_mut().zip(block_weights) {
+                            let weight = weights[key];
+                            for (sum, &value) in sums.iter_mut().zip(value) {
+                                *sum = mul_add::<FMA>(weight, value, *sum);
+                            }
+                        }
+                    }
+                }
+                for (row, sums) in block.chunks_exact_mut(width).zip(&sums) {
+                    row[start..start + columns].copy_from_slice(&sums[..columns]);
+                }
+                start += columns;
+            }
+        }
+    }
+}
+
 /// `tanh x` to a few ulp, ±1 at ±∞, NaN kept: Cephes' `tanhf` (an odd polynomial below
 /// `|x| = 0.625`, `1 - 2 / (e^{2|x|} + 1)` above), branch-free so that it vectorises, where
 /// `f32::tanh` is a call into the maths library per element.
@@ -446,6 +541,51 @@ mod tests {
             assert_eq!(exp(f32::NEG_INFINITY), 0.0, "{copy}");
             assert_eq!(exp(-100.0), 0.0, "{copy}");
         }
+    }
+
+    /// Every row count around the four-row block, widths around the 64-column chunk, a value
+    /// stride wider than the rows, and no weights at all, against an f64 sum.
+    #[test]
+    fn weighted_row_sums_match_a_scalar_sum() {
+        for rows in [1, 3, 4, 5, 9] {
+            for width in [1, 17, 64, 80, 130] {
+                for count in [0, 1, 7, 33] {
+                    let stride = width + 3;
+                    let values: Vec<f32> = (0..count * stride)
+                        .map(|i| ((i * 7919) % 113) as f32 * 0.05 - 2.0)
+                        .collect();
+                    let weights: Vec<Vec<f32>> = (0..rows)
+                        .map(|r| {
+                            (0..count)
+                                .map(|k| ((r * 31 + k * 17) % 23) as f32 * 0.1)
+                                .collect()
+                        })
+                        .collect();
+                    let weight_rows: Vec<&[f32]> = weights.iter().map(Vec::as_slice).collect();
+                    let mut outputs = vec![f32::NAN; rows * width];
+                    weighted_row_sums(&mut outputs, &weight_rows, &values, stride);
+                    for (r, row) in outputs.chunks_exact(width).enumerate() {
+                        for (c, &ours) in row.iter().enumerate() {
+                            let expected: f64 = (0..count)
+                                .map(|k| weights[r][k] as f64 * values[k * stride + c] as f64)
+                                .sum();
+                            assert!(
+                                (ours as f64 - expected).abs() <= 1e-4 * (1.0 + expected.abs()),
+                                "rows {rows}, width {width}, count {count}: [{r}][{c}] {ours} \
+                                 against {expected}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "value rows")]
+    fn weighted_row_sums_refuse_too_few_value_rows() {
+        let weights = [1.0f32; 4];
+        weighted_row_sums(&mut [0.0; 8], &[&weights, &weights], &[0.0; 15], 4);
     }
 
     #[test]
