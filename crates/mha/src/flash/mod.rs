@@ -1438,6 +1438,59 @@ mod tests {
         }
     }
 
+    /// A decoding step under grouped-query attention with a saturated softmax (query rows
+    /// whose weights are one-hot): the backward recomputes the probabilities the forward found
+    /// to the bit, so those rows' query gradients are exactly zero, as autodiff through the
+    /// explicit softmax gives. Scores computed one way forward and another backward leave a
+    /// rounding residue there.
+    #[test]
+    fn one_hot_rows_of_a_grouped_decoding_step_have_exactly_zero_query_gradients() {
+        let (n_heads, seq_q, seq_k) = (4, 2, 40);
+        for device in cpu_devices() {
+            let device = device.autodiff();
+            device.seed(35);
+            let query = normal([1, n_heads, seq_q, 64], &device) * 30.0;
+            let key = normal([1, 2, seq_k, 64], &device) * 30.0;
+            let value = normal([1, 2, seq_k, 64], &device);
+            let case = Case {
+                label: "saturated",
+                masks: ScoreMasks::none(seq_k),
+                softcap: None,
+                sinks: false,
+            };
+            let options = options(&case, None);
+            let grads = outputs_and_grads([&query, &key, &value], None, |q, k, v, _| {
+                flash_attention(q, k, v, &case.masks, &options, BlockSizes::default())
+            });
+            let [q, k, v] = [&query, &key, &value].map(|t| t.clone().detach());
+            let (_, weights) =
+                flash_attention_with_weights(q, k, v, &case.masks, &options, BlockSizes::default());
+            let weights = weights.into_data().to_vec::<f32>().expect("f32 weights");
+            let query_grad = grads[1]
+                .clone()
+                .into_data()
+                .to_vec::<f32>()
+                .expect("f32 grads");
+            let mut one_hot_rows = 0;
+            for (row, (row_weights, row_grad)) in
+                weights.chunks(seq_k).zip(query_grad.chunks(64)).enumerate()
+            {
+                if row_weights.contains(&1.0) {
+                    one_hot_rows += 1;
+                    let largest = row_grad.iter().fold(0.0f32, |m, g| m.max(g.abs()));
+                    assert_eq!(
+                        largest, 0.0,
+                        "{device:?}: one-hot row {row}'s largest |d query|"
+                    );
+                }
+            }
+            assert!(
+                one_hot_rows >= n_heads * seq_q / 2,
+                "{one_hot_rows} one-hot rows"
+            );
+        }
+    }
+
     /// For inference, both bodies return the explicit path's weights beside its output on every
     /// case: zero for hidden keys and for a row that sees no key, the sinks' share left out;
     /// the last shape, 2 queries over value heads 80 wide, is a decoding step's grouped pass.
