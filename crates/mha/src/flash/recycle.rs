@@ -465,6 +465,15 @@ mod tests {
             .unwrap_or_else(|| panic!("LazyFree: {value}"))
     }
 
+    /// Writes each element's index into `buffer` and reads every one back.
+    fn assert_holds_what_is_written(buffer: &mut [f32]) {
+        buffer
+            .iter_mut()
+            .enumerate()
+            .for_each(|(i, x)| *x = i as f32);
+        assert!(buffer.iter().enumerate().all(|(i, &x)| x == i as f32));
+    }
+
     /// A fresh buffer of 2 MiB or more asks for huge pages (the `hg` flag on its 2 MiB-aligned
     /// part), is zeros and keeps its values; a fill value is written. Skipped where the kernel
     /// has no transparent huge pages at all.
@@ -488,11 +497,7 @@ mod tests {
                 "{value:?}: flags {flags}"
             );
             assert!(buffer.iter().all(|&x| x == value.unwrap_or(0.0)));
-            buffer
-                .iter_mut()
-                .enumerate()
-                .for_each(|(i, x)| *x = i as f32);
-            assert!(buffer.iter().enumerate().all(|(i, &x)| x == i as f32));
+            assert_holds_what_is_written(&mut buffer);
         }
     }
 
@@ -543,11 +548,7 @@ mod tests {
         assert_eq!(again.as_ptr(), pointer, "the same allocation");
         assert_eq!(lazily_freed_kib(page), 0, "pinned");
         assert!(again.iter().all(|&x| x == 3.0 || x == 0.0));
-        again
-            .iter_mut()
-            .enumerate()
-            .for_each(|(i, x)| *x = i as f32);
-        assert!(again.iter().enumerate().all(|(i, &x)| x == i as f32));
+        assert_holds_what_is_written(&mut again);
     }
 
     #[test]
