@@ -37,26 +37,45 @@ pub(crate) trait CpuStorage: Backend {
     fn strided(tensor: &FloatTensor<Self>) -> Option<(&[f32], [usize; 4])>;
 
     /// A tensor of logical shape `[batch, heads, seq, dim]` over `values` laid out
-    /// `[batch, seq, heads, dim]`.
-    fn sequence_major(values: Vec<f32>, shape: [usize; 4]) -> FloatTensor<Self>;
+    /// `[batch, seq, heads, dim]`: an output handed over to the caller.
+    fn sequence_major(values: Vec<f32>, shape: [usize; 4]) -> FloatTensor<Self> {
+        recycle::handed_over(&values, Self::OUTPUT_FATE);
+        Self::sequence_major_storage(values, shape)
+    }
 
-    /// A contiguous tensor of `shape` over `values`, without a copy.
-    fn contiguous(values: Vec<f32>, shape: [usize; 4]) -> FloatTensor<Self>;
+    /// A contiguous tensor of `shape` over `values`, without a copy: an output handed over to
+    /// the caller.
+    fn contiguous(values: Vec<f32>, shape: [usize; 4]) -> FloatTensor<Self> {
+        recycle::handed_over(&values, Self::OUTPUT_FATE);
+        Self::contiguous_storage(values, shape)
+    }
+
+    /// [`CpuStorage::sequence_major`]'s tensor, in the backend's storage.
+    fn sequence_major_storage(values: Vec<f32>, shape: [usize; 4]) -> FloatTensor<Self>;
+
+    /// [`CpuStorage::contiguous`]'s tensor, in the backend's storage.
+    fn contiguous_storage(values: Vec<f32>, shape: [usize; 4]) -> FloatTensor<Self>;
+
+    /// What becomes of an output's buffer when its tensor drops.
+    const OUTPUT_FATE: recycle::Fate;
 
     /// A buffer for an output of `length` elements, every one of which the caller writes (its
     /// values are unspecified).
     fn output_buffer(length: usize) -> Vec<f32> {
-        recycle::buffer(length)
+        recycle::buffer(length, Self::OUTPUT_FATE)
     }
 
     /// A buffer of `length` elements, each `value`.
     fn filled_buffer(length: usize, value: f32) -> Vec<f32> {
-        recycle::filled(length, value)
+        recycle::filled(length, value, Self::OUTPUT_FATE)
     }
 }
 
 #[cfg(feature = "flex")]
 impl CpuStorage for burn::backend::Flex {
+    /// Flex's storage of an output hands its buffer back to the pool ([`recycle::into_bytes`]).
+    const OUTPUT_FATE: recycle::Fate = recycle::Fate::Recycled;
+
     fn readable(tensor: &FloatTensor<Self>) -> Option<FloatTensor<Self>> {
         if tensor.dtype() != DType::F32 {
             return None;
@@ -80,7 +99,7 @@ impl CpuStorage for burn::backend::Flex {
         Some((values, [0, 1, 2, 3].map(|axis| strides[axis] as usize)))
     }
 
-    fn sequence_major(values: Vec<f32>, shape: [usize; 4]) -> FloatTensor<Self> {
+    fn sequence_major_storage(values: Vec<f32>, shape: [usize; 4]) -> FloatTensor<Self> {
         use burn::backend::flex::{FlexTensor, Layout};
         let [_, heads, seq, dim] = shape;
         let strides = [seq * heads * dim, dim, heads * dim, 1].map(|s| s as isize);
@@ -91,7 +110,7 @@ impl CpuStorage for burn::backend::Flex {
         )
     }
 
-    fn contiguous(values: Vec<f32>, shape: [usize; 4]) -> FloatTensor<Self> {
+    fn contiguous_storage(values: Vec<f32>, shape: [usize; 4]) -> FloatTensor<Self> {
         use burn::backend::flex::{FlexTensor, Layout};
         FlexTensor::new(
             recycle::into_bytes(values),
@@ -103,6 +122,9 @@ impl CpuStorage for burn::backend::Flex {
 
 #[cfg(feature = "ndarray")]
 impl CpuStorage for burn::backend::NdArray {
+    /// ndarray's tensors own plain vectors, freed when they drop.
+    const OUTPUT_FATE: recycle::Fate = recycle::Fate::Freed;
+
     fn readable(tensor: &FloatTensor<Self>) -> Option<FloatTensor<Self>> {
         use burn::backend::ndarray::NdArrayTensor;
         let NdArrayTensor::F32(storage) = tensor else {
@@ -139,7 +161,7 @@ impl CpuStorage for burn::backend::NdArray {
         Some((values, [0, 1, 2, 3].map(|axis| strides[axis] as usize)))
     }
 
-    fn sequence_major(values: Vec<f32>, shape: [usize; 4]) -> FloatTensor<Self> {
+    fn sequence_major_storage(values: Vec<f32>, shape: [usize; 4]) -> FloatTensor<Self> {
         use burn::backend::ndarray::NdArrayTensor;
         use ndarray::{ArcArray, IxDyn, ShapeBuilder};
         let [_, heads, seq, dim] = shape;
@@ -149,7 +171,7 @@ impl CpuStorage for burn::backend::NdArray {
         NdArrayTensor::from(array)
     }
 
-    fn contiguous(values: Vec<f32>, shape: [usize; 4]) -> FloatTensor<Self> {
+    fn contiguous_storage(values: Vec<f32>, shape: [usize; 4]) -> FloatTensor<Self> {
         use burn::backend::ndarray::NdArrayTensor;
         use ndarray::{ArcArray, IxDyn};
         let array =

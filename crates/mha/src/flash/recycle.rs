@@ -27,9 +27,18 @@
 //! shape under `perf record`.
 //!
 //! ndarray's tensors own plain vectors, so on ndarray the kernels take buffers from the pool
-//! but do not give them back.
+//! but do not give them back ([`Fate::Freed`]).
+//!
+//! A fresh buffer of 2 MiB or more asks for transparent huge pages before its first touch if it
+//! will be recycled; if it will be freed, only where that pays for one touch
+//! ([`huge_pages_pay`]): always on bare metal; under free page reporting, not when the last
+//! output as large that was freed left the kernels two seconds ago or more, since its memory
+//! may have gone back to the host by then. On the EPYC, ndarray's `fwd+weights` at
+//! (1, 8192, 512, 8) alternated with Burn's MHA went from 2.88-3.31 s (huge pages on reported
+//! memory) to 1.65-1.91 s.
 
 use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
 
 /// The most bytes the pool keeps idle and resident.
 pub const POOL_BYTES: usize = 64 << 20;
@@ -96,25 +105,36 @@ fn bytes_of(buffer: &Vec<f32>) -> usize {
     buffer.capacity() * size_of::<f32>()
 }
 
+/// What becomes of an output buffer once its tensor drops, which decides whether a fresh one
+/// asks for huge pages ([`fresh`]).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum Fate {
+    /// It comes back to the pool (flex's storage): its pages serve the later calls of its size,
+    /// so huge pages repay their first touch.
+    Recycled,
+    /// It is freed (ndarray's tensors own their vectors): every call touches fresh pages.
+    Freed,
+}
+
 /// A buffer of `length` elements whose values are unspecified (a recycled buffer's old ones,
 /// or zeros): for an output every element of which the caller writes.
-pub(crate) fn buffer(length: usize) -> Vec<f32> {
+pub(crate) fn buffer(length: usize, fate: Fate) -> Vec<f32> {
     #[cfg(test)]
     if poison::on() {
         return vec![f32::NAN; length];
     }
-    take(length).unwrap_or_else(|| fresh(length))
+    take(length).unwrap_or_else(|| fresh(length, fate))
 }
 
 /// A buffer of `length` elements, each `value`.
-pub(crate) fn filled(length: usize, value: f32) -> Vec<f32> {
+pub(crate) fn filled(length: usize, value: f32, fate: Fate) -> Vec<f32> {
     match take(length) {
         Some(mut buffer) => {
             buffer.fill(value);
             buffer
         }
         None => {
-            let mut buffer = fresh(length);
+            let mut buffer = fresh(length, fate);
             // A fresh buffer's untouched pages are zeros already.
             if value != 0.0 {
                 buffer.fill(value);
@@ -124,15 +144,127 @@ pub(crate) fn filled(length: usize, value: f32) -> Vec<f32> {
     }
 }
 
-/// A new buffer of zeros, from the allocator; a large one asks for huge pages first.
-fn fresh(length: usize) -> Vec<f32> {
+/// A new buffer of zeros, from the allocator; a large one asks for huge pages first if it will
+/// be recycled, or where they pay for one touch ([`huge_pages_pay`]) if it will be freed.
+fn fresh(length: usize, fate: Fate) -> Vec<f32> {
     // Zeroed memory of this size comes from `mmap` untouched (`calloc`), so the hint reaches
     // the pages before their first fault.
     let buffer = vec![0.0; length];
-    if length * size_of::<f32>() >= HUGE_PAGE_BYTES {
+    let bytes = length * size_of::<f32>();
+    if bytes >= HUGE_PAGE_BYTES
+        && (fate == Fate::Recycled
+            || huge_pages_pay(
+                free_pages_reported(),
+                HANDED_OVER.since_one_as_large(bytes, Instant::now()),
+            ))
+    {
         advise_huge_pages(&buffer);
     }
     buffer
+}
+
+/// Whether a fresh buffer that will be freed with its tensor should ask for huge pages, given
+/// whether the machine is a virtual machine that reports its free memory to its host
+/// ([`free_pages_reported`]) and how long ago the newest output at least as large that was freed
+/// with its tensor left this crate's kernels (`None`: none among the last [`RECENT_OUTPUTS`]).
+///
+/// Why: on bare metal a huge page costs one fault instead of 512, always a win. Under free page
+/// reporting, Linux hands blocks of 2 MiB and up that have stayed free for about
+/// [`PAGE_REPORTING_DELAY`] to the host, which drops their memory; touching them again costs the
+/// host's faults on top of the guest's. A huge page is such a block; small pages come first
+/// from the free fragments below 2 MiB, which are never reported. Writing 2 GiB on the EPYC of
+/// the README (a Firecracker guest) took 2.4-5.7 s with huge pages against 1.1-1.6 s with small
+/// ones when the memory had been free for a second or more, but 0.26-0.32 s with huge pages
+/// when a buffer of that size had just been freed. So small pages there when an output as large
+/// left the kernels the delay ago or earlier: its memory, if freed since, may well be reported
+/// (a call between other work, like the table bench's alternation with Burn's module). Huge
+/// pages when it left less than the delay ago (a loop of calls: its tensor has dropped since,
+/// and its memory, too recently freed to be reported, is what the allocator hands out), and
+/// when none did (the first call of a size: small pages would make the next call's huge ones
+/// land on the fragments they leave, which cost 1-2 s more at 2 GiB than starting with huge
+/// pages).
+///
+/// A recycled buffer ([`Fate::Recycled`]) asks for them regardless: its first touch is paid
+/// once, its huge pages serve every later call (on flex, `fwd+weights` at (1, 2048, 512, 8)
+/// took 88-94 ms a call with the pool's buffer on small pages against 77-82 ms on huge ones).
+fn huge_pages_pay(free_pages_reported: bool, since_one_as_large: Option<Duration>) -> bool {
+    !free_pages_reported || since_one_as_large.is_none_or(|since| since < PAGE_REPORTING_DELAY)
+}
+
+/// How long Linux lets freed memory lie before it reports it to the host (`PAGE_REPORTING_DELAY`
+/// in `mm/page_reporting.c`).
+const PAGE_REPORTING_DELAY: Duration = Duration::from_secs(2);
+
+/// The sizes of the last [`RECENT_OUTPUTS`] outputs of [`HUGE_PAGE_BYTES`] or more that left the
+/// kernels to be freed with their tensors ([`Fate::Freed`]), and when.
+struct RecentOutputs {
+    handed_over: Mutex<Vec<(usize, Instant)>>,
+}
+
+/// How many recent outputs are remembered (the newest).
+const RECENT_OUTPUTS: usize = 64;
+
+static HANDED_OVER: RecentOutputs = RecentOutputs {
+    handed_over: Mutex::new(Vec::new()),
+};
+
+impl RecentOutputs {
+    /// Notes that an output of `bytes` left the kernels at `at`.
+    fn record(&self, bytes: usize, at: Instant) {
+        let Ok(mut handed_over) = self.handed_over.lock() else {
+            return;
+        };
+        if handed_over.len() == RECENT_OUTPUTS {
+            handed_over.remove(0);
+        }
+        handed_over.push((bytes, at));
+    }
+
+    /// How long before `now` the newest remembered output of at least `bytes` left the kernels.
+    fn since_one_as_large(&self, bytes: usize, now: Instant) -> Option<Duration> {
+        let handed_over = self.handed_over.lock().ok()?;
+        handed_over
+            .iter()
+            .filter(|&&(size, _)| size >= bytes)
+            .map(|&(_, at)| now.saturating_duration_since(at))
+            .min()
+    }
+}
+
+/// Notes that `values`, a kernel's output, leaves this crate now for a tensor the caller owns,
+/// whose drop gives it to `fate`.
+pub(crate) fn handed_over(values: &[f32], fate: Fate) {
+    let bytes = size_of_val(values);
+    if fate == Fate::Freed && bytes >= HUGE_PAGE_BYTES {
+        HANDED_OVER.record(bytes, Instant::now());
+    }
+}
+
+/// Whether this machine is a virtual machine whose balloon device reports free memory to the
+/// host (Linux: a virtio device of type 5, the balloon, with feature bit 5,
+/// `VIRTIO_BALLOON_F_REPORTING`, negotiated). Read once.
+fn free_pages_reported() -> bool {
+    static REPORTED: OnceLock<bool> = OnceLock::new();
+    *REPORTED.get_or_init(|| {
+        let Ok(devices) = std::fs::read_dir("/sys/bus/virtio/devices") else {
+            return false;
+        };
+        devices.flatten().any(|device| {
+            let read = |name| std::fs::read_to_string(device.path().join(name));
+            matches!(
+                (read("device"), read("features")),
+                (Ok(id), Ok(features)) if balloon_reports_free_pages(&id, &features)
+            )
+        })
+    })
+}
+
+/// Whether a virtio device with sysfs `device` file `id` and `features` file `features` (one
+/// `0`/`1` character per feature bit, bit 0 first) is a balloon that reports free pages.
+fn balloon_reports_free_pages(id: &str, features: &str) -> bool {
+    const BALLOON: &str = "0x0005";
+    const REPORTING_BIT: usize = 5;
+    id.trim() == BALLOON && features.trim().as_bytes().get(REPORTING_BIT) == Some(&b'1')
 }
 
 /// Transparent huge pages: the size of one, and the smallest buffer advised to use them.
@@ -474,47 +606,166 @@ mod tests {
         assert!(buffer.iter().enumerate().all(|(i, &x)| x == i as f32));
     }
 
-    /// A fresh buffer of 2 MiB or more asks for huge pages (the `hg` flag on its 2 MiB-aligned
-    /// part), is zeros and keeps its values; a fill value is written. Skipped where the kernel
-    /// has no transparent huge pages at all.
+    /// Whether the 2 MiB-aligned part of `buffer` carries the huge-page advice (the `hg` flag).
+    #[cfg(target_os = "linux")]
+    fn asks_for_huge_pages(buffer: &[f32]) -> bool {
+        let first = (buffer.as_ptr() as usize).next_multiple_of(HUGE_PAGE_BYTES);
+        let flags = mapping_field(first, "VmFlags");
+        flags.split_whitespace().any(|flag| flag == "hg")
+    }
+
+    /// A fresh buffer of 2 MiB or more asks for huge pages if it will be recycled, and, if it
+    /// will be freed, where they pay: always on a machine that does not report its free memory
+    /// to a host, and, on one that does, unless the last output as large that was freed left
+    /// the kernels two seconds ago or more. It is zeros and keeps its values; a fill value is
+    /// written. Skipped where the kernel has no transparent huge pages at all.
     #[cfg(target_os = "linux")]
     #[test]
-    fn a_large_fresh_buffer_asks_for_huge_pages() {
+    fn a_large_fresh_buffer_asks_for_huge_pages_where_they_pay() {
         if !std::path::Path::new("/sys/kernel/mm/transparent_hugepage/enabled").exists() {
             return;
         }
-        // Lengths no other test asks for, so that the pool has none.
-        let length = (3 * HUGE_PAGE_BYTES) / 4 + 7;
-        for value in [None, Some(2.5)] {
+        let _serial = serial();
+        // Lengths no other test asks for, so that the pool has none, and larger than any other
+        // test's outputs, so that only this test's notes count.
+        let length = (48 << 20) / 4 + 7;
+        let long_ago = Instant::now()
+            .checked_sub(2 * PAGE_REPORTING_DELAY)
+            .expect("an instant seconds ago");
+        HANDED_OVER.record(length * size_of::<f32>(), long_ago);
+        let cases = [
+            (Fate::Recycled, None, true),
+            (Fate::Freed, None, !free_pages_reported()),
+            (Fate::Freed, Some(2.5), true),
+        ];
+        for (index, (fate, value, huge)) in cases.into_iter().enumerate() {
+            let length = length - index;
             let mut buffer = match value {
-                None => buffer(length),
-                Some(value) => filled(length + 1, value),
+                None => buffer(length, fate),
+                Some(value) => filled(length, value, fate),
             };
-            let first = (buffer.as_ptr() as usize).next_multiple_of(HUGE_PAGE_BYTES);
-            let flags = mapping_field(first, "VmFlags");
-            assert!(
-                flags.split_whitespace().any(|flag| flag == "hg"),
-                "{value:?}: flags {flags}"
-            );
+            assert_eq!(asks_for_huge_pages(&buffer), huge, "{fate:?}, {value:?}");
             assert!(buffer.iter().all(|&x| x == value.unwrap_or(0.0)));
             assert_holds_what_is_written(&mut buffer);
+            handed_over(&buffer, fate);
         }
+    }
+
+    #[test]
+    fn huge_pages_pay_off_the_host_or_unless_an_output_as_large_left_long_ago() {
+        let just = Some(Duration::from_millis(300));
+        let long_ago = Some(PAGE_REPORTING_DELAY);
+        for since in [None, just, long_ago] {
+            assert!(huge_pages_pay(false, since), "{since:?}");
+        }
+        assert!(huge_pages_pay(true, just));
+        assert!(huge_pages_pay(true, None), "the first of its size");
+        assert!(!huge_pages_pay(true, long_ago));
+    }
+
+    #[test]
+    fn recent_outputs_give_the_newest_as_large() {
+        let outputs = RecentOutputs {
+            handed_over: Mutex::new(Vec::new()),
+        };
+        let start = Instant::now();
+        let at = |ms| start + Duration::from_millis(ms);
+        let since = |bytes, ms| outputs.since_one_as_large(bytes, at(ms));
+        let millis = |ms| Some(Duration::from_millis(ms));
+        assert_eq!(since(100, 0), None, "none yet");
+        outputs.record(100, at(0));
+        assert_eq!(since(50, 500), millis(500), "a smaller one");
+        assert_eq!(since(100, 700), millis(700), "as large");
+        assert_eq!(since(101, 700), None, "only smaller ones");
+        outputs.record(60, at(900));
+        assert_eq!(since(60, 1000), millis(100), "the newest");
+        assert_eq!(since(100, 5000), millis(5000), "however long ago");
+        for ms in 6000..6000 + RECENT_OUTPUTS as u64 - 1 {
+            outputs.record(1, at(ms));
+        }
+        assert_eq!(since(100, 7000), None, "forgotten: the oldest");
+        assert_eq!(since(60, 7000), millis(6100), "the newer kept");
+        assert_eq!(
+            outputs.handed_over.lock().expect("notes").len(),
+            RECENT_OUTPUTS
+        );
+    }
+
+    /// The CPU kernels' outputs that their tensors will free (ndarray's), in both layouts, are
+    /// noted as handed over when they become tensors, which the next fresh buffer of their size
+    /// reads; those that go back to the pool (flex's) are not.
+    #[cfg(all(feature = "flex", feature = "ndarray"))]
+    #[test]
+    fn freed_outputs_are_noted_as_handed_over() {
+        use super::super::cpu::CpuStorage;
+        use burn::backend::{Flex, NdArray};
+        let _serial = serial();
+        // Smaller than the huge-page test's outputs, which this test's must not precede.
+        let lengths = (0..4).map(|index| (40 << 20) / 4 + 1000 * index);
+        type Build = fn(Vec<f32>, [usize; 4]);
+        let builds: [(Build, bool); 4] = [
+            (
+                |values, shape| drop(NdArray::contiguous(values, shape)),
+                true,
+            ),
+            (
+                |values, shape| drop(NdArray::sequence_major(values, shape)),
+                true,
+            ),
+            (|values, shape| drop(Flex::contiguous(values, shape)), false),
+            (
+                |values, shape| drop(Flex::sequence_major(values, shape)),
+                false,
+            ),
+        ];
+        // Longest first, so that each build's only note at least as large is its own.
+        for (index, ((build, noted), length)) in builds.into_iter().zip(lengths.rev()).enumerate() {
+            let values = vec![0.0; length];
+            let started = Instant::now();
+            build(values, [1, 1, 1, length]);
+            let since = HANDED_OVER.since_one_as_large(length * size_of::<f32>(), Instant::now());
+            assert_eq!(
+                since.is_some_and(|since| since <= started.elapsed()),
+                noted,
+                "{index}: {since:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_balloon_with_free_page_reporting_is_recognised_from_sysfs() {
+        let reporting = "0110010100000000000000000000000010000000";
+        let not_reporting = "0110000100000000000000000000000010000000";
+        assert!(balloon_reports_free_pages(
+            "0x0005\n",
+            &format!("{reporting}\n")
+        ));
+        assert!(!balloon_reports_free_pages("0x0005", not_reporting));
+        assert!(
+            !balloon_reports_free_pages("0x0001", reporting),
+            "a network device"
+        );
+        assert!(
+            !balloon_reports_free_pages("0x0005", "01100"),
+            "too few bits"
+        );
+        assert!(!balloon_reports_free_pages("0x0005", ""));
     }
 
     #[test]
     fn a_dropped_buffer_comes_back_for_the_same_length_only() {
         let _serial = serial();
-        let first = filled(LENGTH, 1.5);
+        let first = filled(LENGTH, 1.5, Fate::Recycled);
         assert!(first.iter().all(|&x| x == 1.5));
         let pointer = first.as_ptr();
         give_back(first);
-        let other_length = buffer(LENGTH + 1);
+        let other_length = buffer(LENGTH + 1, Fate::Recycled);
         assert_ne!(other_length.as_ptr(), pointer, "another length");
-        let again = buffer(LENGTH);
+        let again = buffer(LENGTH, Fate::Recycled);
         assert_eq!(again.as_ptr(), pointer, "the same allocation");
         assert_eq!(again.len(), LENGTH);
         give_back(again);
-        let refilled = filled(LENGTH, -0.0);
+        let refilled = filled(LENGTH, -0.0, Fate::Recycled);
         assert_eq!(refilled.as_ptr(), pointer);
         assert!(refilled.iter().all(|x| x.to_bits() == (-0.0f32).to_bits()));
     }
@@ -535,7 +786,7 @@ mod tests {
     fn a_large_buffer_is_kept_lazily_freed_and_pinned_when_taken() {
         let _serial = serial();
         let length = RESIDENT_MAX_BYTES / 4 + 54_321;
-        let first = filled(length, 3.0);
+        let first = filled(length, 3.0, Fate::Recycled);
         let pointer = first.as_ptr();
         let page = aligned_part(&first, page_bytes())
             .expect("whole pages")
@@ -544,7 +795,7 @@ mod tests {
         give_back(first);
         assert!(lazily_freed_bytes() >= length * 4);
         assert!(lazily_freed_kib(page) > 0, "given back");
-        let mut again = buffer(length);
+        let mut again = buffer(length, Fate::Recycled);
         assert_eq!(again.as_ptr(), pointer, "the same allocation");
         assert_eq!(lazily_freed_kib(page), 0, "pinned");
         assert!(again.iter().all(|&x| x == 3.0 || x == 0.0));
@@ -581,7 +832,7 @@ mod tests {
 
     #[test]
     fn poisoned_buffers_are_nan() {
-        let values = poison::with(|| buffer(LENGTH + 99));
+        let values = poison::with(|| buffer(LENGTH + 99, Fate::Recycled));
         assert!(values.iter().all(|x| x.is_nan()));
         assert!(!poison::on());
     }
