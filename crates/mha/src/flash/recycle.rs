@@ -173,7 +173,7 @@ fn fresh(length: usize, fate: Fate) -> Vec<f32> {
 /// [`PAGE_REPORTING_DELAY`] to the host, which drops their memory; touching them again costs the
 /// host's faults on top of the guest's. A huge page is such a block; small pages come first
 /// from the free fragments below 2 MiB, which are never reported. Writing 2 GiB on the EPYC of
-/// the README (a Firecracker guest) took 2.4-5.7 s with huge pages against 1.1-1.6 s with small
+/// the README (Linux `6.18.44-fc`) took 2.4-6.0 s with huge pages against 1.1-1.6 s with small
 /// ones when the memory had been free for a second or more, but 0.26-0.32 s with huge pages
 /// when a buffer of that size had just been freed. So small pages there when an output as large
 /// left the kernels the delay ago or earlier: its memory, if freed since, may well be reported
