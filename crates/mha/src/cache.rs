@@ -550,15 +550,35 @@ impl KvCache {
             step.owner
         );
         let dtype = key.dtype();
-        // What the step attends to: the stored positions as stored, its own exactly. Float
-        // storage in the step's type stores exactly what the step attends to, so the stored
-        // tensors serve as they are: one copy of the cache per step instead of two.
+        let attended = self.attended_unless_stored_exactly(&key, &value, dtype);
+        let (key, value) = self.stored_with(
+            Stored::new(key, self.storage),
+            Stored::new(value, self.storage),
+        );
+        let (attended_key, attended_value) =
+            attended.unwrap_or_else(|| (key.read(dtype), value.read(dtype)));
+        self.seen += step.new;
+        self.owner = Some(step.owner);
+        self.keep(key, value, step.padding);
+        (attended_key, attended_value)
+    }
+
+    /// What a step with new keys and values `key`, `value` in `dtype` attends to (the stored
+    /// positions as stored, its own exactly), when the storage does not hold exactly that; `None`
+    /// when it does (float storage in the step's type), so that the stored tensors serve as they
+    /// are: one copy of the cache per step instead of two.
+    fn attended_unless_stored_exactly(
+        &self,
+        key: &Tensor<4>,
+        value: &Tensor<4>,
+        dtype: DType,
+    ) -> Option<(Tensor<4>, Tensor<4>)> {
         let exact = |stored: &Option<Stored>| {
             stored
                 .as_ref()
                 .is_none_or(|stored| stored.is_float_in(dtype))
         };
-        let attended = match (&self.key, &self.value) {
+        match (&self.key, &self.value) {
             (Some(past_key), Some(past_value)) if !(exact(&self.key) && exact(&self.value)) => {
                 Some((
                     Tensor::cat(vec![past_key.read(dtype), key.clone()], 2),
@@ -567,12 +587,13 @@ impl KvCache {
             }
             (None, _) | (_, None) => Some((key.clone(), value.clone())),
             _ => None,
-        };
-        let (new_key, new_value) = (
-            Stored::new(key, self.storage),
-            Stored::new(value, self.storage),
-        );
-        let (key, value) = match (self.key.take(), self.value.take()) {
+        }
+    }
+
+    /// The stored keys and values followed by `new_key`, `new_value` (taken out of the cache,
+    /// which [`KvCache::keep`] puts them back into).
+    fn stored_with(&mut self, new_key: Stored, new_value: Stored) -> (Stored, Stored) {
+        match (self.key.take(), self.value.take()) {
             (Some(past_key), Some(past_value)) => {
                 // Room to grow where every position is kept; a window compacts at every step.
                 let max_positions = match self.limit {
@@ -586,16 +607,14 @@ impl KvCache {
                 )
             }
             _ => (new_key, new_value),
-        };
-        let (attended_key, attended_value) =
-            attended.unwrap_or_else(|| (key.read(dtype), value.read(dtype)));
-        self.seen += step.new;
-        self.owner = Some(step.owner);
-        let stored = key.len();
-        let keep = self.kept(stored);
-        match keep {
+        }
+    }
+
+    /// Stores `key`, `value` and their padding, less what a window no longer needs.
+    fn keep(&mut self, key: Stored, value: Stored, padding: Option<Tensor<2, Bool>>) {
+        match self.kept(key.len()) {
             Some(ranges) => {
-                self.padding = step.padding.map(|padding| {
+                self.padding = padding.map(|padding| {
                     Tensor::cat(
                         ranges
                             .iter()
@@ -608,12 +627,11 @@ impl KvCache {
                 self.value = Some(value.select(&ranges));
             }
             None => {
-                self.padding = step.padding;
+                self.padding = padding;
                 self.key = Some(key);
                 self.value = Some(value);
             }
         }
-        (attended_key, attended_value)
     }
 
     /// The position ranges `(start, length)` a window keeps of `stored`, or `None` to keep all.

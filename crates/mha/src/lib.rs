@@ -39,6 +39,30 @@
 //! let weights = output.weights.unwrap().per_head().unwrap();
 //! assert_eq!(weights.dims(), [2, 4, 6, 6]);
 //! ```
+//!
+//! # What is where
+//!
+//! - [`MultiHeadAttentionConfig`] → [`MultiHeadAttention`]; its input [`MhaInput`] (masks,
+//!   causal, segments, [`NeedWeights`], [`AttentionPath`]) and output [`MhaOutput`].
+//! - Decoding: [`KvCache`] (unbounded, fixed, sliding or streaming windows, int8 storage) with
+//!   [`MultiHeadAttention::forward_cached`], and [`CrossAttentionCache`].
+//! - Positions: [`RopeConfig`] (RoPE) and ALiBi ([`alibi_slopes`]), as configuration fields.
+//! - Layers: [`transformer`] (encoder and decoder layers and stacks with burn-nn's names).
+//! - Interop: [`burn_nn`] (`From` burn-nn's modules), `pytorch` (state dicts, feature
+//!   `pytorch`).
+//! - Which kernel runs: [`AttentionPath::Auto`]; [`flash_attention_supported`].
+//!
+//! # Features
+//!
+//! | feature | what it adds |
+//! |---|---|
+//! | `flex` (default) | the native flash kernel and projections on flex's storage, and the output buffer pool (`buffer_pool`) |
+//! | `ndarray` | the same on ndarray's storage |
+//! | `wgpu`, `vulkan`, `metal`, `cuda`, `rocm` | the flash op's CubeCL kernels on that backend (turns on Burn's `fusion`) |
+//! | `pytorch` | `pytorch`: loading and saving `nn.MultiheadAttention` state dicts (`.pt`, `.safetensors`) |
+//!
+//! The module runs on every backend the user's `burn` enables whatever these features say; they
+//! decide which backends get this crate's own kernels.
 
 #![warn(missing_docs)]
 #![deny(clippy::undocumented_unsafe_blocks)]
@@ -51,15 +75,17 @@ mod decoding;
 mod dispatch;
 // Names burn-ndarray's deprecated backend type, supported while Burn ships it.
 #[allow(deprecated)]
+mod cpu;
+mod execution;
+mod extension;
+// Names burn-ndarray's deprecated backend type, as `cpu` does.
+#[allow(deprecated)]
 mod flash;
 mod geometry;
 mod input;
 mod kernel;
 mod mask;
 mod module;
-// Names burn-ndarray's deprecated backend type, as `flash` does.
-#[allow(deprecated)]
-mod projection;
 mod rotary;
 mod rules;
 mod shape;
@@ -83,13 +109,25 @@ pub mod pytorch;
 
 #[cfg(any(feature = "flex", feature = "ndarray"))]
 pub mod buffer_pool {
-    //! The CPU kernels' output buffers, recycled between calls on flex: the buffers the flash
-    //! kernel and the projections hand to flex tensors go back to a bounded pool when the
-    //! tensors drop, so that a loop of calls of one shape writes into memory that is already
-    //! mapped instead of faulting fresh pages in on every call. The pool keeps at most
-    //! [`POOL_BYTES`] idle and resident, in buffers of 128 KiB to a quarter of that, oldest out
-    //! first; larger buffers it keeps lazily freed (Linux's `MADV_FREE`, at most a quarter of
-    //! the machine's memory), pages that the kernel takes back whenever it needs memory
-    //! ([`lazily_freed_bytes`]). [`release`] frees all of them.
-    pub use crate::flash::recycle::{POOL_BYTES, idle_bytes, lazily_freed_bytes, release};
+    //! The CPU kernels' output buffers, reused between calls on flex: the buffers the flash
+    //! kernel and the projections hand to flex tensors go back to a pool when the tensors drop,
+    //! so that a loop of calls of one shape writes into memory that is already mapped instead
+    //! of faulting fresh pages in on every call. On ndarray, whose tensors own their memory,
+    //! outputs are plain allocations.
+    //!
+    //! The pool is one per process and bounded: it keeps at most [`limit`] bytes idle
+    //! ([`DEFAULT_LIMIT`] unless [`set_limit`] changes it; `set_limit(0)` turns it off), in size
+    //! classes (four per doubling), oldest out first; buffers under [`MIN_BYTES`] are never
+    //! pooled. [`release`] frees every idle buffer; [`idle_bytes`] says how much is held.
+    //!
+    //! Transparent huge pages are opt-in, as PyTorch's `THP_MEM_ALLOC_ENABLE` makes them:
+    //! `MHA_HUGE_PAGES=1` in the environment (read once, at the first large allocation) or
+    //! [`set_huge_pages`]`(true)` makes fresh buffers of 2 MiB or more ask Linux for them. They
+    //! save page faults and TLB misses on most machines; on a virtual machine whose host takes
+    //! freed memory back they can cost more than they save, so measure before turning them on.
+    //!
+    //! The library reads nothing from `/sys` or `/proc` to decide how to allocate.
+    pub use crate::cpu::buffers::{
+        DEFAULT_LIMIT, MIN_BYTES, huge_pages, idle_bytes, limit, release, set_huge_pages, set_limit,
+    };
 }

@@ -7,13 +7,14 @@ use burn::nn::{Dropout, Linear};
 use burn::tensor::Tensor;
 
 use crate::cache::CacheOwner;
+use crate::cpu::{native_linear, native_packed_linear};
 use crate::dispatch::{Kernel, KernelRequest, LONG_ROW_KEYS, choose_kernel, runs_on_flex};
+use crate::execution::Execution;
 use crate::flash::{flash_attention, flash_attention_with_weights};
 use crate::geometry::Geometry;
 use crate::input::{AttentionPath, AttentionWeights, MhaInput, MhaOutput, NeedWeights};
 use crate::kernel::{SoftmaxOptions, chunked_attention, explicit_attention, fused_attention};
 use crate::mask::{Positions, SegmentIds, Visibility};
-use crate::projection::{native_linear, native_packed_linear};
 use crate::rotary::{Rope, RopeConfig};
 use crate::shape::check_shape;
 
@@ -480,6 +481,7 @@ impl MultiHeadAttention {
                 (None, false) => None,
             },
         };
+        let ordinary = Execution::default();
         let (context, weights) = match plan.kernel {
             Kernel::Fused => (fused_attention(query, key, value, &masks, &options), None),
             Kernel::Chunked(blocks) => (
@@ -487,12 +489,13 @@ impl MultiHeadAttention {
                 None,
             ),
             Kernel::Flash(blocks) if plan.need_weights != NeedWeights::No => {
-                let (context, weights) =
-                    flash_attention_with_weights(query, key, value, &masks, &options, blocks);
+                let (context, weights) = flash_attention_with_weights(
+                    query, key, value, &masks, &options, blocks, &ordinary,
+                );
                 (context, Some(weights))
             }
             Kernel::Flash(blocks) => (
-                flash_attention(query, key, value, &masks, &options, blocks),
+                flash_attention(query, key, value, &masks, &options, blocks, &ordinary),
                 None,
             ),
             Kernel::Explicit => {

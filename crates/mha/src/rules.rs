@@ -6,6 +6,8 @@
 use std::ops::Range;
 use std::sync::Arc;
 
+use crate::geometry::Geometry;
+
 /// The rules of one call, over the kernel's keys: the caller's (`positional_keys`, which have
 /// positions) followed by any the module appended (`add_bias_kv`, `add_zero_attn`), which have
 /// none: always visible, never biased.
@@ -92,6 +94,29 @@ impl ScoreRules {
             segments: None,
             alibi: None,
         }
+    }
+
+    /// Whether the rules fit a call of these sizes: no more positional keys than keys, one
+    /// ALiBi slope per query head, one segment id per query and per positional key.
+    pub fn fit(&self, geometry: &Geometry) -> bool {
+        let Geometry {
+            batch,
+            n_heads,
+            seq_q,
+            seq_k,
+            ..
+        } = *geometry;
+        self.positional_keys <= seq_k
+            && self
+                .alibi
+                .as_ref()
+                .is_none_or(|slopes| slopes.len() == n_heads)
+            && self.segments.as_ref().is_none_or(|segments| {
+                segments.seq_q == seq_q
+                    && segments.seq_k == self.positional_keys
+                    && segments.query.len() == batch * seq_q
+                    && segments.key.len() == batch * self.positional_keys
+            })
     }
 
     /// Whether some rule hides keys.

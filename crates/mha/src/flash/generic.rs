@@ -263,7 +263,7 @@ fn sinks_grad<B: Backend>(
 ) -> Option<FloatTensor<B>> {
     let sinks = state.inputs.sinks.clone()?;
     let stats = state.softmax_stats.clone();
-    let [batch, n_heads, seq_q, _] = super::dims(&stats.shape());
+    let [batch, n_heads, seq_q, _] = super::inputs::dims(&stats.shape());
     let per_query = Shape::new([batch, n_heads, seq_q, 1]);
     let max = narrow_float::<B>(stats.clone(), 3, 0, 1);
     let inverse_sum = narrow_float::<B>(stats, 3, 1, 1);

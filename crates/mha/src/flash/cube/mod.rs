@@ -20,7 +20,6 @@ mod forward;
 mod score;
 
 use burn::backend::fusion::custom::TensorSpec;
-use burn::backend::ops::FloatTensorOps;
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Backend, DType, ExtensionType, Shape, TensorData, TensorMetadata};
 use burn::backend::{FloatDType, backend_extension};
@@ -31,8 +30,10 @@ use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
-use super::{FlashAttentionBackend, FlashForward, FlashGrads, FlashInputs, FlashKernels};
-use super::{FlashParams, FlashState, MaybeBool, MaybeFloat, generic};
+use super::inputs::{FlashForward, FlashGrads, FlashInputs, FlashParams, FlashState};
+use super::{FlashAttentionBackend, FlashKernels, generic, native_or_generic, precision};
+use crate::execution::{Pass, Ran};
+use crate::extension::{MaybeBool, MaybeFloat};
 use crate::geometry::Geometry;
 use score::{Flags, ProblemLaunch, StridesLaunch};
 
@@ -164,30 +165,57 @@ struct NativeInputs<B: Backend> {
     call: NativeCall,
 }
 
-impl NativeCall {
-    /// The kernels' form of `inputs`, or `None` for what they do not take (see the module
-    /// docs).
-    fn of<B: Backend>(inputs: &FlashInputs<B>) -> Option<NativeInputs<B>> {
-        let geometry = inputs.geometry();
-        let rules = &inputs.params.rules;
-        let dtype = inputs.query.dtype();
-        let takes = inputs.sinks.is_none()
-            && rules.segments.is_none()
+/// What decides whether the kernels take a call (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct CallTraits {
+    query: DType,
+    key: DType,
+    value: DType,
+    bias: Option<DType>,
+    sinks: bool,
+    segments: bool,
+    geometry: Geometry,
+}
+
+impl CallTraits {
+    fn of<B: Backend>(inputs: &FlashInputs<B>) -> Self {
+        Self {
+            query: inputs.query.dtype(),
+            key: inputs.key.dtype(),
+            value: inputs.value.dtype(),
+            bias: inputs.bias.as_ref().map(|bias| bias.dtype()),
+            sinks: inputs.sinks.is_some(),
+            segments: inputs.params.rules.segments.is_some(),
+            geometry: inputs.geometry(),
+        }
+    }
+
+    /// Whether the kernels take the call: no sinks or segments, one float type the kernels
+    /// read for every float input, head widths they keep in registers, no empty axis.
+    fn taken(&self) -> bool {
+        let dtype = self.query;
+        let geometry = &self.geometry;
+        !self.sinks
+            && !self.segments
             && matches!(dtype, DType::F32 | DType::F16 | DType::BF16)
-            && [inputs.key.dtype(), inputs.value.dtype()] == [dtype, dtype]
-            && inputs
-                .bias
-                .as_ref()
-                .is_none_or(|bias| bias.dtype() == dtype)
+            && [self.key, self.value] == [dtype, dtype]
+            && self.bias.is_none_or(|bias| bias == dtype)
             && geometry.head_dim <= MAX_HEAD_DIM
             && geometry.value_dim <= MAX_HEAD_DIM
             && geometry.seq_q > 0
             && geometry.seq_k > 0
             && geometry.batch * geometry.n_heads > 0
-            && !super::generic_body_forced();
-        if !takes {
+    }
+}
+
+impl NativeCall {
+    /// The kernels' form of `inputs`, or `None` for what they do not take ([`CallTraits`]).
+    fn of<B: Backend>(inputs: &FlashInputs<B>) -> Option<NativeInputs<B>> {
+        if !CallTraits::of(inputs).taken() {
             return None;
         }
+        let rules = &inputs.params.rules;
+        let dtype = inputs.query.dtype();
         let device = inputs.query.device();
         let placeholder = || B::float_zeros(Shape::new([1]), &device, FloatDType::from(dtype));
         let call = NativeCall {
@@ -222,27 +250,6 @@ impl NativeCall {
     }
 }
 
-/// A half-precision call's inputs in f32, for the generic body (whose softmax statistics and
-/// block sums need f32); `None` for an f32 call.
-fn widened<B: Backend>(inputs: &FlashInputs<B>) -> Option<FlashInputs<B>> {
-    if !matches!(inputs.query.dtype(), DType::F16 | DType::BF16) {
-        return None;
-    }
-    let wide = |tensor: &FloatTensor<B>| match tensor.dtype() {
-        DType::F32 => tensor.clone(),
-        _ => B::float_cast(tensor.clone(), FloatDType::F32),
-    };
-    Some(FlashInputs {
-        query: wide(&inputs.query),
-        key: wide(&inputs.key),
-        value: wide(&inputs.value),
-        bias: inputs.bias.as_ref().map(wide),
-        forbid: inputs.forbid.clone(),
-        sinks: inputs.sinks.as_ref().map(wide),
-        params: inputs.params.clone(),
-    })
-}
-
 fn to_i32(value: i64) -> i32 {
     i32::try_from(value).expect("flash attention: positions must fit in i32 on the GPU kernels")
 }
@@ -251,82 +258,73 @@ fn to_u32(value: usize) -> u32 {
     u32::try_from(value).expect("flash attention: sizes must fit in u32 on the GPU kernels")
 }
 
+/// The native kernels where they take the call, the generic body (half precision widened to
+/// f32) for the rest and for the weights.
 impl FlashKernels for burn::backend::Cube {
     fn forward_kernel(inputs: &FlashInputs<Self>) -> FlashForward<Self> {
-        let Some(native) = NativeCall::of(inputs) else {
-            let Some(wide) = widened(inputs) else {
-                return generic::forward(inputs);
-            };
-            let FlashForward {
-                output,
-                softmax_stats,
-            } = generic::forward(&wide);
-            return FlashForward {
-                output: Self::float_cast(output, inputs.query.dtype().into()),
-                softmax_stats,
-            };
-        };
-        #[cfg(test)]
-        native_calls::record();
-        let NativeForward { output, stats } = Self::native_flash_forward(
-            native.query,
-            native.key,
-            native.value,
-            native.bias,
-            native.forbid,
-            native.slopes,
-            native.call,
-        );
-        FlashForward {
-            output,
-            softmax_stats: stats,
-        }
+        native_or_generic(
+            &inputs.params.execution,
+            (Pass::Forward, Ran::Cube),
+            || NativeCall::of(inputs).map(native_forward),
+            || precision::forward(inputs, generic::forward),
+        )
     }
 
     fn backward_kernel(
         state: &FlashState<Self>,
         output_grad: FloatTensor<Self>,
     ) -> FlashGrads<Self> {
-        let Some(native) = NativeCall::of(&state.inputs) else {
-            let Some(inputs) = widened(&state.inputs) else {
-                return generic::backward(state, output_grad);
-            };
-            let dtype: FloatDType = state.inputs.query.dtype().into();
-            let wide = FlashState {
-                inputs,
-                output: Self::float_cast(state.output.clone(), FloatDType::F32),
-                softmax_stats: state.softmax_stats.clone(),
-            };
-            let grads = generic::backward(&wide, Self::float_cast(output_grad, FloatDType::F32));
-            let narrow = |grad| Self::float_cast(grad, dtype);
-            return FlashGrads {
-                query: narrow(grads.query),
-                key: narrow(grads.key),
-                value: narrow(grads.value),
-                sinks: grads.sinks.map(narrow),
-            };
-        };
-        #[cfg(test)]
-        native_calls::record();
         state.check_output_grad(&output_grad);
-        let NativeGrads { query, key, value } = Self::native_flash_backward(
-            native.query,
-            native.key,
-            native.value,
-            native.bias,
-            native.forbid,
-            native.slopes,
-            state.output.clone(),
-            state.softmax_stats.clone(),
-            output_grad,
-            native.call,
-        );
-        FlashGrads {
-            query,
-            key,
-            value,
-            sinks: None,
-        }
+        native_or_generic(
+            &state.inputs.params.execution,
+            (Pass::Backward, Ran::Cube),
+            || {
+                NativeCall::of(&state.inputs)
+                    .map(|native| native_backward(state, native, &output_grad))
+            },
+            || precision::backward(state, output_grad.clone(), generic::backward),
+        )
+    }
+}
+
+fn native_forward(native: NativeInputs<burn::backend::Cube>) -> FlashForward<burn::backend::Cube> {
+    let NativeForward { output, stats } = burn::backend::Cube::native_flash_forward(
+        native.query,
+        native.key,
+        native.value,
+        native.bias,
+        native.forbid,
+        native.slopes,
+        native.call,
+    );
+    FlashForward {
+        output,
+        softmax_stats: stats,
+    }
+}
+
+fn native_backward(
+    state: &FlashState<burn::backend::Cube>,
+    native: NativeInputs<burn::backend::Cube>,
+    output_grad: &FloatTensor<burn::backend::Cube>,
+) -> FlashGrads<burn::backend::Cube> {
+    let NativeGrads { query, key, value } = burn::backend::Cube::native_flash_backward(
+        native.query,
+        native.key,
+        native.value,
+        native.bias,
+        native.forbid,
+        native.slopes,
+        state.output.clone(),
+        state.softmax_stats.clone(),
+        output_grad.clone(),
+        native.call,
+    );
+    FlashGrads {
+        query,
+        key,
+        value,
+        sinks: None,
     }
 }
 
@@ -386,7 +384,7 @@ impl LaunchSizes for Geometry {
 }
 
 fn dims(tensor: &CubeTensor) -> [usize; 4] {
-    super::dims(&tensor.shape())
+    super::inputs::dims(&tensor.shape())
 }
 
 /// Element strides of a contiguous rank-4 tensor read as its broadcast to the scores: 0 on
@@ -595,22 +593,5 @@ impl CubeFlashKernels for CubeBackend {
     }
 }
 
-/// How many calls (forward or backward) the native kernels took on this thread (tests only:
-/// the fallback must be seen to happen only where documented).
 #[cfg(test)]
-pub(crate) mod native_calls {
-    use std::cell::Cell;
-
-    thread_local! {
-        static COUNT: Cell<usize> = const { Cell::new(0) };
-    }
-
-    pub fn record() {
-        COUNT.set(COUNT.get() + 1);
-    }
-
-    /// The count since the last call, reset to 0.
-    pub fn take() -> usize {
-        COUNT.replace(0)
-    }
-}
+mod tests;

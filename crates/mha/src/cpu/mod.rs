@@ -1,0 +1,45 @@
+//! The CPU layer: what the native kernels on flex's and ndarray's f32 storage share (the flash
+//! op's kernel in `flash/cpu/`, and the projections here). It is the ground floor: nothing in it
+//! imports `flash/`, `module.rs` or the caches; they import it.
+//!
+//! - `storage.rs`: the backends' storage as strided f32 slices, and outputs handed back as
+//!   tensors without a copy;
+//! - `matrix.rs`: strided matrices, the `gemm` wrapper and the task runner (the unsafe code);
+//! - `simd.rs`: row kernels compiled for AVX-512 and AVX2 + FMA, picked at run time;
+//! - `buffers.rs`: the bounded pool of output buffers (`mha::buffer_pool`);
+//! - `linear.rs`: `x · W + b` as one op with its own backward.
+//!
+//! All of it needs a CPU backend compiled in (this crate's `flex` or `ndarray` feature); without
+//! one, no projection runs natively.
+
+#[cfg(any(feature = "flex", feature = "ndarray"))]
+pub(crate) mod buffers;
+#[cfg(any(feature = "flex", feature = "ndarray"))]
+pub(crate) mod linear;
+#[cfg(any(feature = "flex", feature = "ndarray"))]
+pub(crate) mod matrix;
+#[cfg(any(feature = "flex", feature = "ndarray"))]
+pub(crate) mod simd;
+#[cfg(any(feature = "flex", feature = "ndarray"))]
+pub(crate) mod storage;
+
+#[cfg(any(feature = "flex", feature = "ndarray"))]
+pub(crate) use linear::{native_linear, native_packed_linear};
+
+/// Without a CPU backend compiled in, no projection runs natively: `Linear::forward` it is.
+#[cfg(not(any(feature = "flex", feature = "ndarray")))]
+pub(crate) fn native_linear(
+    _: &burn::nn::Linear,
+    _: &burn::tensor::Tensor<3>,
+) -> Option<burn::tensor::Tensor<3>> {
+    None
+}
+
+/// As [`native_linear`].
+#[cfg(not(any(feature = "flex", feature = "ndarray")))]
+pub(crate) fn native_packed_linear(
+    _: [&burn::nn::Linear; 3],
+    _: &burn::tensor::Tensor<3>,
+) -> Option<burn::tensor::Tensor<3>> {
+    None
+}

@@ -1,0 +1,269 @@
+//! Flex's and ndarray's f32 storage as the CPU kernels read it (strided slices, no copy where
+//! the layout allows) and write it (a kernel's buffer handed over as the tensor's storage).
+
+use burn::backend::tensor::FloatTensor;
+use burn::backend::{Backend, DType, DispatchDevice, TensorMetadata};
+use burn::tensor::Device;
+
+use super::buffers::{self, BufferSource};
+use super::matrix::{HeadsView, Strided};
+use crate::execution::FreshOutputs;
+
+/// A CPU backend whose float tensors the native kernels read and write in place.
+pub(crate) trait CpuStorage: Backend {
+    /// Where the backend's output buffers come from: the pool where its tensors give them back.
+    const BUFFERS: BufferSource;
+
+    /// `tensor` itself, or a copy in a layout [`CpuStorage::strided`] reads, for f32.
+    fn readable(tensor: &FloatTensor<Self>) -> Option<FloatTensor<Self>>;
+
+    /// The f32 elements from the tensor's first one on, and its four strides, if all are
+    /// non-negative and the last is 1.
+    fn strided(tensor: &FloatTensor<Self>) -> Option<Strided<'_>>;
+
+    /// A tensor of logical shape `[batch, heads, seq, dim]` over `values` laid out
+    /// `[batch, seq, heads, dim]`, without a copy: an output handed over to the caller.
+    fn sequence_major(values: Vec<f32>, shape: [usize; 4]) -> FloatTensor<Self>;
+
+    /// A contiguous tensor of `shape` over `values`, without a copy: an output handed over to
+    /// the caller.
+    fn contiguous(values: Vec<f32>, shape: [usize; 4]) -> FloatTensor<Self>;
+
+    /// A buffer for an output of `length` elements, every one of which the caller writes (its
+    /// values are unspecified, or NaN where `fresh` asks for that).
+    fn output_buffer(length: usize, fresh: FreshOutputs) -> Vec<f32> {
+        buffers::buffer(length, Self::BUFFERS, fresh)
+    }
+
+    /// A buffer of `length` elements, each `value`.
+    fn filled_buffer(length: usize, value: f32) -> Vec<f32> {
+        buffers::filled(length, value, Self::BUFFERS)
+    }
+
+    /// A rank-4 f32 tensor as a [`HeadsView`], if [`CpuStorage::strided`] reads it.
+    ///
+    /// # Panics
+    ///
+    /// If the tensor is not of rank 4.
+    fn heads_view(tensor: &FloatTensor<Self>) -> Option<HeadsView<'_>> {
+        let strided = Self::strided(tensor)?;
+        Some(HeadsView::new(strided, rank_4::<Self>(tensor)))
+    }
+}
+
+/// The four sizes of a rank-4 tensor.
+///
+/// # Panics
+///
+/// If it is not of rank 4.
+pub(crate) fn rank_4<B: Backend>(tensor: &FloatTensor<B>) -> [usize; 4] {
+    let shape = tensor.shape();
+    assert_eq!(
+        shape.num_dims(),
+        4,
+        "CPU kernel: tensors must have rank 4, got shape {shape:?}"
+    );
+    [shape[0], shape[1], shape[2], shape[3]]
+}
+
+/// Whether `device` (autodiff or not) stores its tensors in a backend [`CpuStorage`] covers:
+/// flex and ndarray, where this crate's features of those names are on.
+pub(crate) fn native_storage(device: &Device) -> bool {
+    fn native(device: &DispatchDevice) -> bool {
+        match device {
+            #[cfg(feature = "flex")]
+            DispatchDevice::Flex(_) => true,
+            #[cfg(feature = "ndarray")]
+            DispatchDevice::NdArray(_) => true,
+            DispatchDevice::Autodiff(inner) => native(inner),
+            #[allow(unreachable_patterns)]
+            _ => false,
+        }
+    }
+    native(device.as_dispatch())
+}
+
+#[cfg(feature = "flex")]
+impl CpuStorage for burn::backend::Flex {
+    /// Flex's storage of an output gives its buffer back to the pool ([`buffers::into_bytes`]).
+    const BUFFERS: BufferSource = BufferSource::Pool;
+
+    fn readable(tensor: &FloatTensor<Self>) -> Option<FloatTensor<Self>> {
+        if tensor.dtype() != DType::F32 {
+            return None;
+        }
+        Some(match Self::strided(tensor) {
+            Some(_) => tensor.clone(),
+            None => tensor.to_contiguous(),
+        })
+    }
+
+    fn strided(tensor: &FloatTensor<Self>) -> Option<Strided<'_>> {
+        if tensor.dtype() != DType::F32 {
+            return None;
+        }
+        let layout = tensor.layout();
+        let strides = layout.strides();
+        if strides.len() != 4 || strides[3] != 1 || strides.iter().any(|&s| s < 0) {
+            return None;
+        }
+        let values = tensor.storage::<f32>().get(layout.start_offset()..)?;
+        Some(Strided {
+            values,
+            strides: [0, 1, 2, 3].map(|axis| strides[axis] as usize),
+        })
+    }
+
+    fn sequence_major(values: Vec<f32>, shape: [usize; 4]) -> FloatTensor<Self> {
+        use burn::backend::flex::{FlexTensor, Layout};
+        let [_, heads, seq, dim] = shape;
+        let strides = [seq * heads * dim, dim, heads * dim, 1].map(|s| s as isize);
+        FlexTensor::new(
+            buffers::into_bytes(values),
+            Layout::new(burn::backend::Shape::new(shape), strides.to_vec(), 0),
+            DType::F32,
+        )
+    }
+
+    fn contiguous(values: Vec<f32>, shape: [usize; 4]) -> FloatTensor<Self> {
+        use burn::backend::flex::{FlexTensor, Layout};
+        FlexTensor::new(
+            buffers::into_bytes(values),
+            Layout::contiguous(burn::backend::Shape::new(shape)),
+            DType::F32,
+        )
+    }
+}
+
+#[cfg(feature = "ndarray")]
+impl CpuStorage for burn::backend::NdArray {
+    /// ndarray's tensors own plain vectors, freed when they drop.
+    const BUFFERS: BufferSource = BufferSource::Allocator;
+
+    fn readable(tensor: &FloatTensor<Self>) -> Option<FloatTensor<Self>> {
+        use burn::backend::ndarray::NdArrayTensor;
+        let NdArrayTensor::F32(storage) = tensor else {
+            return None;
+        };
+        Some(match Self::strided(tensor) {
+            Some(_) => tensor.clone(),
+            None => NdArrayTensor::from(
+                storage
+                    .view()
+                    .as_standard_layout()
+                    .into_owned()
+                    .into_shared(),
+            ),
+        })
+    }
+
+    fn strided(tensor: &FloatTensor<Self>) -> Option<Strided<'_>> {
+        let burn::backend::ndarray::NdArrayTensor::F32(storage) = tensor else {
+            return None;
+        };
+        super::matrix::ndarray_elements(storage.view())
+    }
+
+    fn sequence_major(values: Vec<f32>, shape: [usize; 4]) -> FloatTensor<Self> {
+        use burn::backend::ndarray::NdArrayTensor;
+        use ndarray::{ArcArray, IxDyn, ShapeBuilder};
+        let [_, heads, seq, dim] = shape;
+        let strides = [seq * heads * dim, dim, heads * dim, 1];
+        let array = ArcArray::from_shape_vec(IxDyn(&shape).strides(IxDyn(&strides)), values)
+            .expect("sequence-major strides fit the buffer");
+        NdArrayTensor::from(array)
+    }
+
+    fn contiguous(values: Vec<f32>, shape: [usize; 4]) -> FloatTensor<Self> {
+        use burn::backend::ndarray::NdArrayTensor;
+        use ndarray::{ArcArray, IxDyn};
+        let array =
+            ArcArray::from_shape_vec(IxDyn(&shape), values).expect("the shape fits the buffer");
+        NdArrayTensor::from(array)
+    }
+}
+
+#[cfg(all(test, feature = "flex", feature = "ndarray"))]
+mod tests {
+    use super::*;
+    use burn::backend::{Flex, NdArray, TensorData};
+
+    use crate::cpu::matrix::HeadIndex;
+
+    /// The f32 elements of a primitive, in its logical order.
+    fn elements<B: Backend>(tensor: FloatTensor<B>) -> Vec<f32> {
+        burn_std::reader::try_read_sync(B::float_into_data(tensor))
+            .expect("read")
+            .expect("data")
+            .to_vec::<f32>()
+            .expect("f32")
+    }
+
+    /// A backend reads a head-split view (`[batch, seq, heads, dim]` memory) in place with its
+    /// strides, copies a flipped one into a layout it reads, and leaves f64 alone.
+    fn reads_views_in_place_and_copies_other_layouts<B: CpuStorage>() {
+        let device = Default::default();
+        let values: Vec<f32> = (0..120).map(|i| i as f32).collect();
+        let memory = B::float_from_data(TensorData::new(values, [2, 3, 4, 5]), &device);
+        // Element (b, h, s, d) of the heads view is memory element 60 b + 20 s + 5 h + d.
+        let heads = B::float_swap_dims(memory, 1, 2);
+        let flipped = B::float_flip(heads.clone(), &[2]);
+        let index = HeadIndex { batch: 1, head: 2 };
+        let row_start = |seq: usize| 60 + 20 * seq + 5 * 2;
+        assert!(
+            B::strided(&heads).is_some(),
+            "a head split is read in place"
+        );
+        // Row 0 of the flipped view is row 2 of the heads.
+        for (tensor, row, seq) in [(&heads, 1, 1), (&flipped, 0, 2)] {
+            let readable = B::readable(tensor).expect("f32");
+            let view = B::heads_view(&readable).expect("readable");
+            let read = view.row(index, row).to_vec();
+            let start = row_start(seq) as f32;
+            let expected: Vec<f32> = (0..5).map(|d| start + d as f32).collect();
+            assert_eq!(read, expected);
+        }
+        let f64 = B::float_from_data(TensorData::new(vec![0.0f64; 4], [1, 1, 2, 2]), &device);
+        assert!(
+            B::readable(&f64).is_none(),
+            "f64 is left to the generic body"
+        );
+    }
+
+    #[test]
+    fn both_backends_read_views_in_place_and_copy_other_layouts() {
+        reads_views_in_place_and_copies_other_layouts::<Flex>();
+        reads_views_in_place_and_copies_other_layouts::<NdArray>();
+    }
+
+    /// A sequence-major output reads back as its logical shape.
+    fn sequence_major_outputs_read_as_their_logical_shape<B: CpuStorage>() {
+        // [batch 1, seq 3, heads 2, dim 2] memory: element (h, s, d) at 4 s + 2 h + d.
+        let values: Vec<f32> = (0..12).map(|i| i as f32).collect();
+        let logical = [0, 1, 4, 5, 8, 9, 2, 3, 6, 7, 10, 11].map(|i| i as f32);
+        assert_eq!(
+            elements::<B>(B::sequence_major(values.clone(), [1, 2, 3, 2])),
+            logical
+        );
+        assert_eq!(
+            elements::<B>(B::contiguous(values.clone(), [1, 2, 3, 2])),
+            values
+        );
+    }
+
+    #[test]
+    fn both_backends_hand_outputs_over_in_either_layout() {
+        sequence_major_outputs_read_as_their_logical_shape::<Flex>();
+        sequence_major_outputs_read_as_their_logical_shape::<NdArray>();
+    }
+
+    #[test]
+    fn native_storage_is_flex_and_ndarray_with_or_without_autodiff() {
+        #[allow(deprecated)]
+        let ndarray = Device::ndarray();
+        for device in [Device::flex(), ndarray] {
+            assert!(native_storage(&device));
+            assert!(native_storage(&device.autodiff()));
+        }
+    }
+}
