@@ -202,111 +202,153 @@ fn burn((shape, deviation): (Shape, f64), mode: Mode, device: &Device) -> Box<dy
     })
 }
 
-fn main() {
-    let mut devices = vec!["flex".to_string(), "ndarray".to_string()];
-    let mut shapes: Vec<Shape> = SHAPES.iter().map(|s| Shape::parse(s)).collect();
-    let mut modes = vec![Mode::Forward, Mode::ForwardWeights, Mode::ForwardBackward];
-    let mut budget = Duration::from_secs(3);
-    let mut max_runs = 15;
-    let mut path = AttentionPath::Auto;
-    let (mut with_ours, mut with_burn) = (true, true);
-    let mut deviation = 1.0;
-    let mut args = std::env::args().skip(1);
-    while let Some(arg) = args.next() {
-        let mut value = || args.next().unwrap_or_else(|| panic!("{arg} needs a value"));
-        match arg.as_str() {
-            "--devices" => devices = value().split(',').map(str::to_string).collect(),
-            "--shapes" => shapes = value().split(',').map(Shape::parse).collect(),
-            "--modes" => {
-                modes = value()
-                    .split(',')
-                    .map(|m| match m {
-                        "fwd" => Mode::Forward,
-                        "fwd+weights" => Mode::ForwardWeights,
-                        "fwd+bwd" => Mode::ForwardBackward,
-                        other => panic!("--modes: unknown mode {other}"),
-                    })
-                    .collect()
-            }
-            "--path" => {
-                path = match value().as_str() {
-                    "auto" => AttentionPath::Auto,
-                    "fused" => AttentionPath::Fused,
-                    "explicit" => AttentionPath::Explicit,
-                    "chunked" => AttentionPath::Chunked(Default::default()),
-                    "flash" => AttentionPath::Flash(Default::default()),
-                    other => {
-                        panic!(
-                            "--path: unknown path {other} (auto, fused, explicit, chunked, flash)"
-                        )
-                    }
+/// What the command line asks for.
+struct Options {
+    devices: Vec<String>,
+    shapes: Vec<Shape>,
+    modes: Vec<Mode>,
+    budget: Duration,
+    max_runs: usize,
+    path: AttentionPath,
+    with_ours: bool,
+    with_burn: bool,
+    deviation: f64,
+}
+
+impl Options {
+    fn from_args() -> Self {
+        let mut options = Options {
+            devices: vec!["flex".to_string(), "ndarray".to_string()],
+            shapes: SHAPES.iter().map(|s| Shape::parse(s)).collect(),
+            modes: vec![Mode::Forward, Mode::ForwardWeights, Mode::ForwardBackward],
+            budget: Duration::from_secs(3),
+            max_runs: 15,
+            path: AttentionPath::Auto,
+            with_ours: true,
+            with_burn: true,
+            deviation: 1.0,
+        };
+        let mut args = std::env::args().skip(1);
+        while let Some(arg) = args.next() {
+            let mut value = || args.next().unwrap_or_else(|| panic!("{arg} needs a value"));
+            match arg.as_str() {
+                "--devices" => options.devices = value().split(',').map(str::to_string).collect(),
+                "--shapes" => options.shapes = value().split(',').map(Shape::parse).collect(),
+                "--modes" => options.modes = value().split(',').map(parse_mode).collect(),
+                "--path" => options.path = parse_path(&value()),
+                // `--ours-only`: no Burn column, for profiling this module alone (`perf record`).
+                "--ours-only" => (options.with_ours, options.with_burn) = (true, false),
+                // `--burn-only`: Burn's module alone; with `--ours-only` in another process, each
+                // module runs in its own (alternated in one process, each one's large outputs
+                // land in memory the other's call left free).
+                "--burn-only" => (options.with_ours, options.with_burn) = (false, true),
+                "--budget-s" => {
+                    options.budget = Duration::from_secs_f64(value().parse().expect("seconds"))
                 }
+                // `--max-runs`: 15 by default, as PyTorch's script; more to profile a small
+                // shape's steady state rather than its first calls.
+                "--max-runs" => options.max_runs = value().parse().expect("a count"),
+                // `--input-std`: the inputs' standard deviation, 1 by default (see `input`).
+                "--input-std" => options.deviation = value().parse().expect("a deviation"),
+                // `--pool-limit-mib`: the CPU output buffer pool's limit (`mha::buffer_pool`),
+                // 256 MiB by default; `MHA_HUGE_PAGES=1` in the environment asks for huge pages.
+                "--pool-limit-mib" => {
+                    let mib: usize = value().parse().expect("MiB");
+                    mha::buffer_pool::set_limit(mib << 20);
+                }
+                // `cargo bench` passes `--bench`; the other libtest flags mean nothing here.
+                _ => {}
             }
-            // `--ours-only`: no Burn column, for profiling this module alone (`perf record`).
-            "--ours-only" => (with_ours, with_burn) = (true, false),
-            // `--burn-only`: Burn's module alone; with `--ours-only` in another process, each
-            // module runs in its own. Alternated in one process, a large output of one lands in
-            // pages the other's call left free long enough for a virtual machine's host to
-            // reclaim them (free page reporting), which the next touch pays for.
-            "--burn-only" => (with_ours, with_burn) = (false, true),
-            "--budget-s" => budget = Duration::from_secs_f64(value().parse().expect("seconds")),
-            // `--max-runs`: 15 by default, as PyTorch's script; more to profile a small shape's
-            // steady state rather than its first calls.
-            "--max-runs" => max_runs = value().parse().expect("a count"),
-            // `--input-std`: the inputs' standard deviation, 1 by default (see `input`).
-            "--input-std" => deviation = value().parse().expect("a deviation"),
-            // `cargo bench` passes `--bench`; the other libtest flags mean nothing here.
-            _ => {}
         }
+        options
     }
+}
+
+fn parse_mode(name: &str) -> Mode {
+    match name {
+        "fwd" => Mode::Forward,
+        "fwd+weights" => Mode::ForwardWeights,
+        "fwd+bwd" => Mode::ForwardBackward,
+        other => panic!("--modes: unknown mode {other}"),
+    }
+}
+
+fn parse_path(name: &str) -> AttentionPath {
+    match name {
+        "auto" => AttentionPath::Auto,
+        "fused" => AttentionPath::Fused,
+        "explicit" => AttentionPath::Explicit,
+        "chunked" => AttentionPath::Chunked(Default::default()),
+        "flash" => AttentionPath::Flash(Default::default()),
+        other => panic!("--path: unknown path {other} (auto, fused, explicit, chunked, flash)"),
+    }
+}
+
+fn main() {
+    let options = Options::from_args();
+    let Options {
+        path, deviation, ..
+    } = options;
     println!(
-        "threads: {} | our path: {path:?} | inputs' deviation {deviation} | median of ≥3 runs after a warm-up | GFLOP/s over the module's matmuls\n",
-        std::thread::available_parallelism().map_or(0, |n| n.get())
+        "threads: {} | our path: {path:?} | inputs' deviation {deviation} | median of ≥3 runs after a warm-up | GFLOP/s over the module's matmuls | buffer pool limit {} MiB, huge pages {}\n",
+        std::thread::available_parallelism().map_or(0, |n| n.get()),
+        mha::buffer_pool::limit() >> 20,
+        if mha::buffer_pool::huge_pages() {
+            "on"
+        } else {
+            "off"
+        },
     );
     println!(
         "| device | batch, seq, d_model, heads | mode | ours ms | ours GFLOP/s | Burn MHA ms | Burn GFLOP/s | speed-up |"
     );
     println!("|---|---|---|---|---|---|---|---|");
-    for device_name in &devices {
+    for device_name in &options.devices {
         let device = device(device_name);
         device.seed(0);
-        for &shape in &shapes {
-            for &mode in &modes {
-                let flops = shape.forward_flops()
-                    * if mode == Mode::ForwardBackward {
-                        3.0
-                    } else {
-                        1.0
-                    };
-                let mut cases = Vec::new();
-                if with_ours {
-                    cases.push(ours((shape, deviation), mode, path, &device));
-                }
-                if with_burn {
-                    cases.push(burn((shape, deviation), mode, &device));
-                }
-                let mut medians = interleaved_medians((budget, max_runs), &mut cases).into_iter();
-                let ours = with_ours.then(|| medians.next()).flatten();
-                let burn = with_burn.then(|| medians.next()).flatten();
-                let cells = |ms: Option<f64>| match ms {
-                    Some(ms) => format!("{ms:.1} | {:.1}", flops / ms / 1e6),
-                    None => "- | -".to_string(),
-                };
-                let speed_up = match (ours, burn) {
-                    (Some(ours), Some(burn)) => format!("{:.2}x", burn / ours),
-                    _ => "-".to_string(),
-                };
-                println!(
-                    "| {device_name} | {}, {}, {}, {} | {} | {} | {} | {speed_up} |",
-                    shape.batch,
-                    shape.seq,
-                    shape.d_model,
-                    shape.heads,
-                    mode.name(),
-                    cells(ours),
-                    cells(burn),
-                );
+        for &shape in &options.shapes {
+            for &mode in &options.modes {
+                print_row(&options, device_name, &device, (shape, mode));
             }
         }
     }
+}
+
+/// Times one cell, ours and Burn's in turn, and prints its row.
+fn print_row(options: &Options, device_name: &str, device: &Device, (shape, mode): (Shape, Mode)) {
+    let flops = shape.forward_flops()
+        * if mode == Mode::ForwardBackward {
+            3.0
+        } else {
+            1.0
+        };
+    let mut cases = Vec::new();
+    if options.with_ours {
+        cases.push(ours((shape, options.deviation), mode, options.path, device));
+    }
+    if options.with_burn {
+        cases.push(burn((shape, options.deviation), mode, device));
+    }
+    let mut medians =
+        interleaved_medians((options.budget, options.max_runs), &mut cases).into_iter();
+    let ours = options.with_ours.then(|| medians.next()).flatten();
+    let burn = options.with_burn.then(|| medians.next()).flatten();
+    let cells = |ms: Option<f64>| match ms {
+        Some(ms) => format!("{ms:.1} | {:.1}", flops / ms / 1e6),
+        None => "- | -".to_string(),
+    };
+    let speed_up = match (ours, burn) {
+        (Some(ours), Some(burn)) => format!("{:.2}x", burn / ours),
+        _ => "-".to_string(),
+    };
+    println!(
+        "| {device_name} | {}, {}, {}, {} | {} | {} | {} | {speed_up} |",
+        shape.batch,
+        shape.seq,
+        shape.d_model,
+        shape.heads,
+        mode.name(),
+        cells(ours),
+        cells(burn),
+    );
 }

@@ -348,7 +348,7 @@ mod tests {
             .expect_err("configuration should be refused")
     }
 
-    // A table of (configuration, field, rule) rows: it grows by a row per rule.
+    // Longer than most: a table of (configuration, field, rule) rows; it grows by a row per rule.
     #[test]
     fn every_rule_names_its_field() {
         let base = || MultiHeadAttentionConfig::new(16, 4);

@@ -35,6 +35,7 @@ fn the_good_input_runs() {
     assert_eq!(output.context.dims(), [2, 3, 8]);
 }
 
+// Longer than most: a table of (bad input, exact message) rows, a row per check.
 #[test]
 fn every_bad_input_is_refused_with_a_clear_message() {
     let module = module();

@@ -79,6 +79,7 @@ fn nudged<const D: usize>(tensor: &Tensor<D>, index: usize, delta: f64) -> Tenso
 type WeightOf = fn(&mut MultiHeadAttention) -> &mut Param<Tensor<2>>;
 type VectorOf = fn(&mut MultiHeadAttention) -> &mut Param<Tensor<1>>;
 
+// Longer than most: one table of parameters, each perturbed in turn and checked.
 #[test]
 fn every_gradient_matches_central_finite_differences() {
     for (name, device) in test_devices() {

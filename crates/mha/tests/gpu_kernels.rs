@@ -78,6 +78,7 @@ struct Case {
 /// The cases every kernel test runs: each mask, rule and score feature, alone and combined.
 /// The float bias is rounded to `exact_in` (and back) where given, so that it is exact in that
 /// type.
+// Longer than most: a table, one case per entry; it grows by an entry per feature.
 fn cases(device: &Device, sizes: Sizes, exact_in: Option<FloatDType>) -> Vec<Case> {
     let Sizes {
         batch,

@@ -58,6 +58,7 @@ fn paths(module: &MultiHeadAttention, device: &Device, training: bool) -> Vec<At
         .collect()
 }
 
+// Longer than most: every fixture through every path, outputs and each gradient.
 #[test]
 fn features_match_pytorch_in_outputs_and_every_gradient() {
     for (device_name, device) in test_devices() {

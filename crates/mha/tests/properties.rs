@@ -491,6 +491,7 @@ fn a_sharp_softmax_gives_no_subnormal_probability_and_the_explicit_values() {
     }
 }
 
+// Longer than most: every path on every device, each checked for output, weights and gradients.
 #[test]
 fn fully_masked_queries_give_zero_output_weights_and_finite_gradients() {
     for (name, device) in test_devices() {

@@ -126,6 +126,7 @@ fn write_state(name: &str, tensors: &[(&str, Vec<usize>)]) -> PathBuf {
     path
 }
 
+// Longer than most: one table of damaged files, each checked for the file and key it names.
 #[test]
 fn bad_state_dicts_are_refused_naming_file_and_key() {
     let device = Device::flex();
@@ -269,6 +270,7 @@ fn assert_rounded(
 }
 
 /// Writes `packed.pt`'s tensors to a safetensors file in `dtype`.
+// Longer than most: safetensors' writer wants each dtype's bytes spelled out.
 fn packed_as(dtype: safetensors::Dtype, name: &str) -> PathBuf {
     let device = Device::flex();
     let module = load(0, &device);

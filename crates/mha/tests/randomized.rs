@@ -602,6 +602,7 @@ fn inference_weights_agree_with_the_explicit_path_on_random_cases() {
 /// Random wrong shapes of every argument, wrong mask ranks, empty batches and sequences: each
 /// is refused with a panic whose message names the argument (or the empty axis), never a
 /// crash in a kernel and never an output of a wrong shape.
+// Longer than most: one table of ways an input can be wrong, drawn from at random.
 #[test]
 fn random_bad_input_is_refused_with_a_message() {
     let device = Device::flex();

@@ -294,6 +294,7 @@ mod tests {
                 no_attention: false,
                 rotary,
                 token_shift,
+                feed_forward: true,
             };
             let model = config.init(&device);
             let mut rng = Rng::new(9);

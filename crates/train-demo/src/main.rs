@@ -4,6 +4,7 @@
 //! ```sh
 //! cargo run --release -p train-demo                       # reverse, on flex
 //! cargo run --release -p train-demo -- --task sort --no-attention
+//! cargo run --release -p train-demo -- --task count --heads 1  # one head for two relations
 //! cargo run --release -p train-demo -- --devices flex,flex    # burn-train's MultiDevice
 //! cargo run --release -p train-demo -- eval --out runs/reverse-…
 //! ```
@@ -29,7 +30,7 @@ use clap::{Args, Parser, Subcommand};
 
 use crate::checkpoint::RunIdentity;
 use crate::model::TransformerConfig;
-use crate::tasks::TaskKind;
+use crate::tasks::{Architecture, TaskKind};
 use crate::train::Parallelism;
 
 /// Serialises the tests that seed a device: Burn's seeded generator is shared by every test
@@ -112,6 +113,7 @@ struct TrainArgs {
     /// Sequence length (for recall: key-value pairs).
     #[arg(long)]
     seq_len: Option<usize>,
+    /// Tokens in the model's vocabulary (for count: (w + 1)², one per pair of counts of w bits).
     #[arg(long)]
     vocab: Option<usize>,
     #[arg(long, default_value_t = 42)]
@@ -132,6 +134,10 @@ struct TrainArgs {
     /// (true for recall only).
     #[arg(long)]
     token_shift: Option<bool>,
+    /// A feed-forward block after every attention (true/false); default: the task's (false for
+    /// count only, which then reads its heads out linearly). Encoder tasks only without one.
+    #[arg(long)]
+    feed_forward: Option<bool>,
     /// Batches per epoch: the held-out evaluation, the checkpoint and the early-stopping
     /// check come at the end of each.
     #[arg(long, default_value_t = 100)]
@@ -180,7 +186,15 @@ fn identity(args: &TrainArgs) -> Result<RunIdentity, String> {
         no_attention: args.no_attention,
         rotary: args.rotary.unwrap_or(defaults.rotary),
         token_shift: args.token_shift.unwrap_or(defaults.token_shift),
+        feed_forward: args.feed_forward.unwrap_or(defaults.feed_forward),
     };
+    if !model.feed_forward && model.architecture != Architecture::Encoder {
+        return Err(format!(
+            "--feed-forward false builds an encoder of attention layers alone; {} is not an \
+             encoder task",
+            args.task.name()
+        ));
+    }
     mha::MultiHeadAttentionConfig::new(model.d_model, model.heads)
         .with_n_kv_heads(Some(model.kv_heads))
         .validate()
@@ -213,12 +227,7 @@ fn devices(args: &TrainArgs) -> Result<Vec<burn::tensor::Device>, String> {
 fn run_training(args: TrainArgs) -> Result<(), String> {
     let identity = identity(&args)?;
     let devices = devices(&args)?;
-    let out = args.out.clone().unwrap_or_else(|| {
-        let stamp = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs());
-        PathBuf::from("runs").join(format!("{}-{stamp}", args.task.name()))
-    });
+    let out = output_folder(&args);
     if !args.resume && checkpoint::latest_complete_epoch(&out).is_some() {
         return Err(format!(
             "{} already holds a run; pass --resume to continue it or choose another --out",
@@ -271,13 +280,30 @@ fn run_training(args: TrainArgs) -> Result<(), String> {
         );
         return Ok(());
     }
+    print_final_table(&summary, &args.devices);
+    println!("outputs: {}", out.display());
+    Ok(())
+}
+
+/// `--out`, or `runs/<task>-<unix time>`.
+fn output_folder(args: &TrainArgs) -> PathBuf {
+    args.out.clone().unwrap_or_else(|| {
+        let stamp = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        PathBuf::from("runs").join(format!("{}-{stamp}", args.task.name()))
+    })
+}
+
+/// The run's result as one Markdown table row under its header.
+fn print_final_table(summary: &train::Summary, devices: &str) {
     println!(
         "| task | steps | epochs | final loss | held-out token acc | exact match | chance | time | \
          devices |"
     );
     println!("|---|---|---|---|---|---|---|---|---|");
     println!(
-        "| {} | {} | {} | {:.4} | {:.1}% | {:.1}% | {:.1}% | {:.0} s | {} |",
+        "| {} | {} | {} | {:.4} | {:.1}% | {:.1}% | {:.1}% | {:.0} s | {devices} |",
         summary.task.name(),
         summary.steps,
         summary.epochs,
@@ -286,10 +312,7 @@ fn run_training(args: TrainArgs) -> Result<(), String> {
         100.0 * summary.accuracy.exact,
         100.0 * summary.chance,
         summary.seconds,
-        args.devices
     );
-    println!("outputs: {}", out.display());
-    Ok(())
 }
 
 fn evaluate(run: &RunArgs, predictions: Option<usize>) -> Result<(), String> {
@@ -354,5 +377,24 @@ mod tests {
         assert!(error.contains("only CUDA devices take an index"), "{error}");
         let error = devices(&train_args(&["--devices", "cuda:x"])).unwrap_err();
         assert!(error.contains("the index is not a number"), "{error}");
+    }
+
+    #[test]
+    fn count_defaults_to_one_attention_layer_of_two_heads_and_takes_one_head() {
+        let two = identity(&train_args(&["--task", "count"])).unwrap();
+        let model = &two.model;
+        assert_eq!(
+            (model.layers, model.heads, model.kv_heads, model.d_model),
+            (1, 2, 2, 64)
+        );
+        assert_eq!((model.vocab, model.max_len, two.seq_len), (64, 16, 16));
+        assert!(!model.rotary && !model.token_shift && !model.feed_forward);
+        let one = identity(&train_args(&["--task", "count", "--heads", "1"])).unwrap();
+        assert_eq!((one.model.heads, one.model.kv_heads), (1, 1));
+        assert!(identity(&train_args(&["--task", "count", "--vocab", "60"])).is_err());
+        assert!(identity(&train_args(&["--task", "count", "--seq-len", "14"])).is_err());
+        let error =
+            identity(&train_args(&["--task", "sort", "--feed-forward", "false"])).unwrap_err();
+        assert!(error.contains("not an encoder task"), "{error}");
     }
 }

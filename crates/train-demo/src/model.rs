@@ -2,7 +2,8 @@
 //! an encoder ([`TransformerEncoder`]), a decoder-only model (a causal [`TransformerEncoder`])
 //! or an encoder-decoder ([`TransformerDecoder`] over the encoder's output); around them the
 //! token embedding, learned or rotary positions, optionally a previous-token embedding, a final
-//! norm and the output head.
+//! norm and the output head. An encoder may also be attention layers alone, without feed-forward
+//! blocks (the pair task's).
 
 use burn::config::Config;
 use burn::module::Module;
@@ -13,7 +14,7 @@ use mha::transformer::{
     TransformerDecoder, TransformerDecoderCache, TransformerDecoderConfig, TransformerDecoderInput,
     TransformerEncoder, TransformerEncoderCache, TransformerEncoderConfig, TransformerEncoderInput,
 };
-use mha::{MhaInput, MultiHeadAttention, NeedWeights, RopeConfig};
+use mha::{MhaInput, MultiHeadAttention, MultiHeadAttentionConfig, NeedWeights, RopeConfig};
 
 use crate::tasks::Architecture;
 
@@ -40,6 +41,11 @@ pub struct TransformerConfig {
     /// circuit otherwise has to learn with a previous-token head first. Default: false.
     #[config(default = false)]
     pub token_shift: bool,
+    /// A feed-forward block after every attention (true), or attention layers alone (false, an
+    /// encoder only): the pair task's model, whose linear readout then sees exactly what the
+    /// heads carry, so that one head cannot stand in for two. Default: true.
+    #[config(default = true)]
+    pub feed_forward: bool,
 }
 
 /// Attention weights of one forward, for the heatmaps: `[batch, heads, seq_q, seq_k]` for each
@@ -61,6 +67,20 @@ enum StackCache {
     EncoderDecoder(TransformerDecoderCache),
 }
 
+/// A pre-norm self-attention layer without a feed-forward block: `x + attention(norm(x))`.
+#[derive(Module, Debug)]
+pub struct AttentionLayer {
+    norm: LayerNorm,
+    attention: MultiHeadAttention,
+}
+
+impl AttentionLayer {
+    fn forward(&self, x: Tensor<3>) -> Tensor<3> {
+        let normed = self.norm.forward(x.clone());
+        x + self.attention.forward(MhaInput::self_attn(normed)).context
+    }
+}
+
 #[derive(Module, Debug)]
 pub struct Transformer {
     token_embedding: Embedding,
@@ -69,6 +89,9 @@ pub struct Transformer {
     previous_token_embedding: Option<Embedding>,
     /// Bidirectional, over the source (encoder and encoder-decoder models).
     encoder: Option<TransformerEncoder>,
+    /// Bidirectional attention layers alone, over the source (an encoder without feed-forward
+    /// blocks); empty otherwise.
+    attention_layers: Vec<AttentionLayer>,
     /// Causal, over the decoder input (decoder-only models).
     causal_stack: Option<TransformerEncoder>,
     /// Causal self-attention and cross-attention to the encoder's output.
@@ -103,6 +126,20 @@ impl TransformerConfig {
             .with_window(self.window())
     }
 
+    /// The layers of an encoder without feed-forward blocks.
+    fn attention_layers(&self, device: &Device) -> Vec<AttentionLayer> {
+        let attention = MultiHeadAttentionConfig::new(self.d_model, self.heads)
+            .with_n_kv_heads(Some(self.kv_heads))
+            .with_rope(self.rotary.then(RopeConfig::new))
+            .with_window(self.window());
+        (0..self.layers)
+            .map(|_| AttentionLayer {
+                norm: LayerNormConfig::new(self.d_model).init(device),
+                attention: attention.init(device),
+            })
+            .collect()
+    }
+
     pub fn init(&self, device: &Device) -> Transformer {
         let embedding = |n| {
             EmbeddingConfig::new(n, self.d_model)
@@ -112,7 +149,9 @@ impl TransformerConfig {
                 })
                 .init(device)
         };
+        let attention_only = !self.feed_forward && self.architecture == Architecture::Encoder;
         let (encoder, causal_stack, decoder) = match self.architecture {
+            Architecture::Encoder if attention_only => (None, None, None),
             Architecture::Encoder => (Some(self.encoder(false).init(device)), None, None),
             Architecture::Decoder => (None, Some(self.encoder(true).init(device)), None),
             Architecture::EncoderDecoder => (
@@ -127,6 +166,10 @@ impl TransformerConfig {
             position_embedding: (!self.rotary).then(|| embedding(self.max_len)),
             previous_token_embedding: self.token_shift.then(|| embedding(self.vocab + 1)),
             encoder,
+            attention_layers: match attention_only {
+                true => self.attention_layers(device),
+                false => Vec::new(),
+            },
             causal_stack,
             decoder,
             encoder_norm: cross.then(|| LayerNormConfig::new(self.d_model).init(device)),
@@ -171,9 +214,17 @@ impl Transformer {
 
     /// The encoder's output (normed for cross-attention), if there is an encoder.
     fn encode(&self, source: Option<Tensor<2, Int>>) -> Option<Tensor<3>> {
-        let encoder = self.encoder.as_ref()?;
+        if self.encoder.is_none() && self.attention_layers.is_empty() {
+            return None;
+        }
         let x = self.embed_from(source?, 0, None);
-        let memory = encoder.forward(TransformerEncoderInput::new(x));
+        let memory = match &self.encoder {
+            Some(encoder) => encoder.forward(TransformerEncoderInput::new(x)),
+            None => self
+                .attention_layers
+                .iter()
+                .fold(x, |x, layer| layer.forward(x)),
+        };
         Some(match &self.encoder_norm {
             Some(norm) => norm.forward(memory),
             None => memory,
@@ -282,6 +333,15 @@ impl Transformer {
             )
         };
         let mut all = Vec::new();
+        if let (false, Some(source)) = (self.attention_layers.is_empty(), source.clone()) {
+            let mut x = self.embed_from(source, 0, None);
+            for (index, layer) in self.attention_layers.iter().enumerate() {
+                let input = MhaInput::self_attn(layer.norm.forward(x.clone()));
+                let (context, layer_weights) = weights(&layer.attention, input);
+                all.push((format!("encoder {index} self"), layer_weights));
+                x = x + context;
+            }
+        }
         let mut stack_weights = |stack: &TransformerEncoder, x: Tensor<3>, label: &str| {
             let input = TransformerEncoderInput::new(x.clone());
             let mut x = x;

@@ -363,6 +363,7 @@ mod tests {
                 no_attention,
                 rotary: false,
                 token_shift: false,
+                feed_forward: true,
             },
             seq_len,
             batch_size: 32,

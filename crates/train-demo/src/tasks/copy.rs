@@ -18,6 +18,7 @@ pub const DEFAULTS: TaskDefaults = TaskDefaults {
     vocab: 11,
     rotary: false,
     token_shift: false,
+    feed_forward: true,
 };
 
 pub struct Copy {

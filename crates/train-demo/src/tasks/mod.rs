@@ -1,6 +1,7 @@
 //! Toy sequence tasks that need attention across positions, one file each, behind [`Task`].
 
 mod copy;
+mod count;
 mod recall;
 mod reverse;
 mod sort;
@@ -47,6 +48,9 @@ pub enum TaskKind {
     Copy,
     /// Multi-query associative recall (decoder only, 2 layers).
     Recall,
+    /// Count the ones before and after each position at once, as one symbol (an attention-only
+    /// encoder, one head per side; --vocab is (w + 1)² for windows of w bits).
+    Count,
 }
 
 /// The default model and training sizes of a task: what reaches its target.
@@ -64,6 +68,8 @@ pub struct TaskDefaults {
     pub rotary: bool,
     /// Previous-token embeddings (see `TransformerConfig::token_shift`).
     pub token_shift: bool,
+    /// Feed-forward blocks (see `TransformerConfig::feed_forward`).
+    pub feed_forward: bool,
 }
 
 /// A task: draws examples, says how outputs are scored and what chance level is.
@@ -115,6 +121,7 @@ impl TaskKind {
             Self::Sort => sort::DEFAULTS,
             Self::Copy => copy::DEFAULTS,
             Self::Recall => recall::DEFAULTS,
+            Self::Count => count::DEFAULTS,
         }
     }
 
@@ -124,6 +131,7 @@ impl TaskKind {
             Self::Sort => Box::new(sort::Sort::new(seq_len, vocab)?),
             Self::Copy => Box::new(copy::Copy::new(seq_len, vocab)?),
             Self::Recall => Box::new(recall::Recall::new(seq_len, vocab)?),
+            Self::Count => Box::new(count::Count::new(seq_len, vocab)?),
         })
     }
 
@@ -133,6 +141,7 @@ impl TaskKind {
             Self::Sort => "sort",
             Self::Copy => "copy",
             Self::Recall => "recall",
+            Self::Count => "count",
         }
     }
 }
@@ -148,6 +157,7 @@ mod tests {
             TaskKind::Sort,
             TaskKind::Copy,
             TaskKind::Recall,
+            TaskKind::Count,
         ] {
             let defaults = kind.defaults();
             let task = kind.build(defaults.seq_len, defaults.vocab).unwrap();

@@ -20,6 +20,7 @@ pub const DEFAULTS: TaskDefaults = TaskDefaults {
     // did not form within 12000 steps, here and in an equivalent PyTorch model
     // (reference/mqar_plateau.py): token accuracy stays on a plateau near 20%.
     token_shift: true,
+    feed_forward: true,
 };
 
 pub struct Recall {

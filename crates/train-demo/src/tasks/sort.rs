@@ -15,6 +15,7 @@ pub const DEFAULTS: TaskDefaults = TaskDefaults {
     vocab: 3,
     rotary: false,
     token_shift: false,
+    feed_forward: true,
 };
 
 pub struct Sort {

@@ -21,6 +21,13 @@ fn taken() -> CallTraits {
     }
 }
 
+/// [`taken`] changed by `change`.
+fn with(change: impl FnOnce(&mut CallTraits)) -> CallTraits {
+    let mut call = taken();
+    change(&mut call);
+    call
+}
+
 /// The kernels take f32, f16 and bf16 calls with or without a bias of the inputs' type, and
 /// leave to the generic body (one decision per call, forward and backward alike) sinks,
 /// segments, mixed or other float types, heads wider than they keep in registers, and empty
@@ -28,131 +35,44 @@ fn taken() -> CallTraits {
 #[test]
 fn the_kernels_take_the_calls_the_module_docs_say_and_no_others() {
     for dtype in [DType::F32, DType::F16, DType::BF16] {
-        let same = CallTraits {
-            query: dtype,
-            key: dtype,
-            value: dtype,
-            bias: Some(dtype),
-            ..taken()
-        };
+        let same = with(|c| (c.query, c.key, c.value, c.bias) = (dtype, dtype, dtype, Some(dtype)));
         assert!(same.taken(), "{dtype:?}");
         assert!(
             CallTraits { bias: None, ..same }.taken(),
             "{dtype:?} without a bias"
         );
     }
-    let geometry = taken().geometry;
-    let refused = [
-        (
-            "sinks",
-            CallTraits {
-                sinks: true,
-                ..taken()
-            },
-        ),
-        (
-            "segments",
-            CallTraits {
-                segments: true,
-                ..taken()
-            },
-        ),
+    let refused: [(&str, CallTraits); 11] = [
+        ("sinks", with(|c| c.sinks = true)),
+        ("segments", with(|c| c.segments = true)),
         (
             "f64",
-            CallTraits {
-                query: DType::F64,
-                key: DType::F64,
-                value: DType::F64,
-                bias: None,
-                ..taken()
-            },
+            with(|c| {
+                (c.query, c.key, c.value, c.bias) = (DType::F64, DType::F64, DType::F64, None)
+            }),
         ),
-        (
-            "a key of another type",
-            CallTraits {
-                key: DType::F16,
-                ..taken()
-            },
-        ),
-        (
-            "a value of another type",
-            CallTraits {
-                value: DType::BF16,
-                ..taken()
-            },
-        ),
+        ("a key of another type", with(|c| c.key = DType::F16)),
+        ("a value of another type", with(|c| c.value = DType::BF16)),
         (
             "a bias of another type",
-            CallTraits {
-                bias: Some(DType::F16),
-                ..taken()
-            },
+            with(|c| c.bias = Some(DType::F16)),
         ),
         (
             "wide heads",
-            CallTraits {
-                geometry: Geometry {
-                    head_dim: MAX_HEAD_DIM + 1,
-                    ..geometry
-                },
-                ..taken()
-            },
+            with(|c| c.geometry.head_dim = MAX_HEAD_DIM + 1),
         ),
         (
             "wide values",
-            CallTraits {
-                geometry: Geometry {
-                    value_dim: MAX_HEAD_DIM + 1,
-                    ..geometry
-                },
-                ..taken()
-            },
+            with(|c| c.geometry.value_dim = MAX_HEAD_DIM + 1),
         ),
-        (
-            "no queries",
-            CallTraits {
-                geometry: Geometry {
-                    seq_q: 0,
-                    ..geometry
-                },
-                ..taken()
-            },
-        ),
-        (
-            "no keys",
-            CallTraits {
-                geometry: Geometry {
-                    seq_k: 0,
-                    ..geometry
-                },
-                ..taken()
-            },
-        ),
-        (
-            "no batch",
-            CallTraits {
-                geometry: Geometry {
-                    batch: 0,
-                    ..geometry
-                },
-                ..taken()
-            },
-        ),
+        ("no queries", with(|c| c.geometry.seq_q = 0)),
+        ("no keys", with(|c| c.geometry.seq_k = 0)),
+        ("no batch", with(|c| c.geometry.batch = 0)),
     ];
     for (what, call) in refused {
         assert!(!call.taken(), "{what}");
     }
-    let widest = Geometry {
-        head_dim: MAX_HEAD_DIM,
-        value_dim: MAX_HEAD_DIM,
-        ..geometry
-    };
-    assert!(
-        CallTraits {
-            geometry: widest,
-            ..taken()
-        }
-        .taken(),
-        "the widest heads"
-    );
+    let widest =
+        with(|c| (c.geometry.head_dim, c.geometry.value_dim) = (MAX_HEAD_DIM, MAX_HEAD_DIM));
+    assert!(widest.taken(), "the widest heads");
 }

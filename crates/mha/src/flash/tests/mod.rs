@@ -32,7 +32,7 @@ struct Case {
 }
 
 /// The cases the kernels are compared on: what they are called and what they hold.
-// A table, one case per entry: it grows by an entry per feature.
+// Longer than most: a table, one case per entry; it grows by an entry per feature.
 fn cases(device: &Device, [batch, n_heads, seq_q, seq_k]: [usize; 4]) -> Vec<Case> {
     // Key padding as the module passes it, `[batch, 1, 1, seq_k]`: broadcast query and head
     // axes; the second sequence's last keys padded, one query row fully masked by a bool
