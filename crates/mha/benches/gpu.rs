@@ -226,12 +226,11 @@ fn spawn(cell: &Cell) -> Result<(f64, f64, f64), String> {
                 .unwrap_or("no output")
                 .to_string();
             let out_of_memory = ["out of memory", "OutOfMemory", "Out of memory"];
-            Err(
-                match out_of_memory.iter().any(|text| stderr.contains(text)) {
-                    true => "out of memory".to_string(),
-                    false => reason,
-                },
-            )
+            Err(if out_of_memory.iter().any(|text| stderr.contains(text)) {
+                "out of memory".to_string()
+            } else {
+                reason
+            })
         }
     }
 }

@@ -58,9 +58,10 @@ impl From<BurnTransformerEncoderLayer> for TransformerEncoderLayer {
     /// feed-forward network; post-norm applies `norm_1` after the attention and `norm_2` after
     /// the feed-forward network.
     fn from(burn: BurnTransformerEncoderLayer) -> Self {
-        let (attention_norm, feed_forward_norm) = match burn.norm_first {
-            true => (burn.norm_2, burn.norm_1),
-            false => (burn.norm_1, burn.norm_2),
+        let (attention_norm, feed_forward_norm) = if burn.norm_first {
+            (burn.norm_2, burn.norm_1)
+        } else {
+            (burn.norm_1, burn.norm_2)
         };
         Self {
             attention: burn.mha.into(),
@@ -90,9 +91,10 @@ impl From<BurnTransformerDecoderLayer> for TransformerDecoderLayer {
     /// self-attention, cross-attention and feed-forward with `norm_first`, and `norm_1`,
     /// `norm_2`, `norm_3` after them otherwise.
     fn from(burn: BurnTransformerDecoderLayer) -> Self {
-        let (self_norm, cross_norm, feed_forward_norm) = match burn.norm_first {
-            true => (burn.norm_3, burn.norm_1, burn.norm_2),
-            false => (burn.norm_1, burn.norm_2, burn.norm_3),
+        let (self_norm, cross_norm, feed_forward_norm) = if burn.norm_first {
+            (burn.norm_3, burn.norm_1, burn.norm_2)
+        } else {
+            (burn.norm_1, burn.norm_2, burn.norm_3)
         };
         Self {
             self_attention: burn.self_attn.into(),

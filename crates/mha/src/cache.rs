@@ -217,10 +217,13 @@ impl Stored {
     /// The stored positions as floats, in `dtype`.
     fn read(&self, dtype: DType) -> Tensor<4> {
         match self {
-            Self::Float { buffer, len } => match buffer.dims()[2] == *len {
-                true => buffer.clone(),
-                false => buffer.clone().narrow(2, 0, *len),
-            },
+            Self::Float { buffer, len } => {
+                if buffer.dims()[2] == *len {
+                    buffer.clone()
+                } else {
+                    buffer.clone().narrow(2, 0, *len)
+                }
+            }
             Self::Int8 { values, scales } => {
                 values.clone().cast(FloatDType::from(dtype)) * scales.clone().cast(dtype)
             }

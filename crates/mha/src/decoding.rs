@@ -7,7 +7,7 @@ use burn::tensor::Tensor;
 use crate::cache::{CacheError, CrossAttentionCache, KvCache};
 use crate::input::{AttentionPath, MhaInput, MhaOutput, NeedWeights};
 use crate::mask::Visibility;
-use crate::module::MultiHeadAttention;
+use crate::module::{MultiHeadAttention, RopeStarts, Sequences};
 use crate::shape::check_shape;
 
 impl MultiHeadAttention {
@@ -93,11 +93,12 @@ impl MultiHeadAttention {
         let geometry = self.geometry(geometry.batch, geometry.seq_q, step.keys);
         let plan = self.plan(visibility, geometry, path, need_weights, &query);
         let first_query = step.positions.rope_query();
-        let (query, key, value) = self.project(
-            (query, key, value),
-            shared_input,
-            [first_query, first_query],
-        );
+        let sequences = Sequences { query, key, value };
+        let starts = RopeStarts {
+            query: first_query,
+            key: first_query,
+        };
+        let (query, key, value) = self.project(sequences, shared_input, starts);
         let (key, value) = cache.append(step, key, value);
         let (key, value) = self.append_extra_positions(key, value);
         Ok(self.attend(query, key, value, &plan))

@@ -118,9 +118,10 @@ pub(crate) fn choose_kernel(request: &KernelRequest) -> Kernel {
             if flash_blocker.is_none()
                 && flash_kernel(request.device) == Some(FlashKernel::Native) =>
         {
-            Kernel::Flash(match request.long_rows {
-                true => LONG_ROW_BLOCKS,
-                false => BlockSizes::default(),
+            Kernel::Flash(if request.long_rows {
+                LONG_ROW_BLOCKS
+            } else {
+                BlockSizes::default()
             })
         }
         // Elsewhere (the CubeCL backends, `flash/cube/`) for training, where it keeps memory

@@ -154,11 +154,12 @@ impl IntoAttnMask for AttnMask {
 impl<const D: usize> IntoAttnMask for Tensor<D, Bool> {
     fn into_attn_mask(self) -> AttnMask {
         let dims = rank4_dims(self.dims());
-        let values = match dims.contains(&0) {
-            // No values to keep; Burn's `reshape` (and `unsqueeze`, built on it) reads a 0 in
-            // the target shape as "keep this axis", which an empty axis would misplace.
-            true => Tensor::zeros(dims, &self.device()),
-            false => self.reshape(dims),
+        // No values to keep where an axis is empty; Burn's `reshape` (and `unsqueeze`, built on
+        // it) reads a 0 in the target shape as "keep this axis", which would misplace it.
+        let values = if dims.contains(&0) {
+            Tensor::zeros(dims, &self.device())
+        } else {
+            self.reshape(dims)
         };
         AttnMask {
             rank: D,
@@ -170,9 +171,10 @@ impl<const D: usize> IntoAttnMask for Tensor<D, Bool> {
 impl<const D: usize> IntoAttnMask for Tensor<D> {
     fn into_attn_mask(self) -> AttnMask {
         let dims = rank4_dims(self.dims());
-        let values = match dims.contains(&0) {
-            true => Tensor::zeros(dims, &self.device()),
-            false => self.reshape(dims),
+        let values = if dims.contains(&0) {
+            Tensor::zeros(dims, &self.device())
+        } else {
+            self.reshape(dims)
         };
         AttnMask {
             rank: D,

@@ -109,6 +109,19 @@ impl ModuleDisplay for MultiHeadAttention {
 }
 
 /// The sizes and switches, read-only.
+/// A call's query, key and value sequences before their projections, `[batch, seq, width]`.
+pub(crate) struct Sequences {
+    pub query: Tensor<3>,
+    pub key: Tensor<3>,
+    pub value: Tensor<3>,
+}
+
+/// The positions RoPE rotates the first query and the first key from.
+pub(crate) struct RopeStarts {
+    pub query: usize,
+    pub key: usize,
+}
+
 impl MultiHeadAttention {
     /// Width of the query input and of the output.
     pub fn d_model(&self) -> usize {
@@ -249,11 +262,12 @@ impl MultiHeadAttention {
             extra_keys: self.extra_keys(),
         };
         let plan = self.plan(visibility, geometry, path, need_weights, &query);
-        let (query, key, value) = self.project(
-            (query, key, value),
-            shared_input,
-            [positions.rope_query(), 0],
-        );
+        let sequences = Sequences { query, key, value };
+        let starts = RopeStarts {
+            query: positions.rope_query(),
+            key: 0,
+        };
+        let (query, key, value) = self.project(sequences, shared_input, starts);
         let (key, value) = self.append_extra_positions(key, value);
         self.attend(query, key, value, &plan)
     }
@@ -376,19 +390,24 @@ impl MultiHeadAttention {
     }
 
     /// Query heads `[batch, n_heads, seq_q, head_dim]`, key and value heads `[batch,
-    /// n_kv_heads, seq_k, head_dim]`, the queries and keys rotated with RoPE from the positions
-    /// `starts` (query, key). When the three inputs are one tensor (`shared_input`), the three
-    /// projections are one op where [`native_packed_linear`] runs, and the heads views of its
-    /// output.
+    /// n_kv_heads, seq_k, head_dim]`, the queries and keys rotated with RoPE from `starts`.
+    /// When the three inputs are one tensor (`shared_input`), the three projections are one op
+    /// where [`native_packed_linear`] runs, and the heads views of its output.
     pub(crate) fn project(
         &self,
-        (query, key, value): (Tensor<3>, Tensor<3>, Tensor<3>),
+        sequences: Sequences,
         shared_input: bool,
-        [query_start, key_start]: [usize; 2],
+        starts: RopeStarts,
     ) -> (Tensor<4>, Tensor<4>, Tensor<4>) {
-        let packed = match shared_input {
-            true => native_packed_linear([&self.query, &self.key, &self.value], &query),
-            false => None,
+        let Sequences { query, key, value } = sequences;
+        let RopeStarts {
+            query: query_start,
+            key: key_start,
+        } = starts;
+        let packed = if shared_input {
+            native_packed_linear([&self.query, &self.key, &self.value], &query)
+        } else {
+            None
         };
         let Some(packed) = packed else {
             let query = self.project_query(query, query_start);

@@ -510,9 +510,12 @@ fn read_tensors(file: &Path) -> Result<HashMap<String, RawTensor>, PytorchError>
     let is_safetensors = file
         .extension()
         .is_some_and(|extension| extension == "safetensors");
-    let read = || match is_safetensors {
-        true => read_safetensors(file),
-        false => read_pytorch(file),
+    let read = || {
+        if is_safetensors {
+            read_safetensors(file)
+        } else {
+            read_pytorch(file)
+        }
     };
     match std::panic::catch_unwind(read) {
         Ok(tensors) => tensors.map_err(unreadable),

@@ -70,11 +70,14 @@ impl RopeConfig {
                 self.theta
             ));
         }
-        let positive = |name: &str, value: f64| match value.is_finite() && value > 0.0 {
-            true => Ok(()),
-            false => Err(format!(
-                "scaling {name} must be finite and positive, got {value}"
-            )),
+        let positive = |name: &str, value: f64| {
+            if value.is_finite() && value > 0.0 {
+                Ok(())
+            } else {
+                Err(format!(
+                    "scaling {name} must be finite and positive, got {value}"
+                ))
+            }
         };
         match self.scaling {
             None => Ok(()),

@@ -168,11 +168,12 @@ impl ScoreRules {
                 hi = hi.min(index_of(position + window as i64));
             }
         }
-        let pinned_visible = match self.causal {
-            true => (0..self.pinned_keys)
+        let pinned_visible = if self.causal {
+            (0..self.pinned_keys)
                 .filter(|&key| self.key_position(key) <= position)
-                .count(),
-            false => self.pinned_keys,
+                .count()
+        } else {
+            self.pinned_keys
         };
         // The unpinned range, with the pinned keys before it when any is visible.
         match pinned_visible {
@@ -193,10 +194,7 @@ impl ScoreRules {
             let run = segments.key_run(batch, query)?;
             range = range.start.max(run.start)..range.end.min(run.end);
         }
-        Some(match range.is_empty() {
-            true => 0..0,
-            false => range,
-        })
+        Some(if range.is_empty() { 0..0 } else { range })
     }
 
     /// Whether query `query` of batch element `batch` may see key `key`.

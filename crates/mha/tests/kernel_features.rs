@@ -38,9 +38,10 @@ fn input(fixture: &Fixture, query: Tensor<3>, memory: Option<Tensor<3>>) -> MhaI
             .map(|ids| ids.round().int())
     };
     if let (Some(query_ids), Some(key_ids)) = (ids("segment_ids_query"), ids("segment_ids_key")) {
-        input = match fixture.arg_bool("self_attention") {
-            true => input.segment_ids(query_ids),
-            false => input.segment_ids_cross(query_ids, key_ids),
+        input = if fixture.arg_bool("self_attention") {
+            input.segment_ids(query_ids)
+        } else {
+            input.segment_ids_cross(query_ids, key_ids)
         };
     }
     if fixture.arg_bool("causal") {

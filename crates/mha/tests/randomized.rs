@@ -232,9 +232,10 @@ impl Instance {
                 Tensor::from_data(TensorData::new(values, [case.batch, length]), device)
             };
             let query_ids = ids(case.seq_q);
-            let key_ids = match case.self_attention {
-                true => query_ids.clone(),
-                false => ids(case.seq_k),
+            let key_ids = if case.self_attention {
+                query_ids.clone()
+            } else {
+                ids(case.seq_k)
             };
             (query_ids, key_ids)
         });
@@ -349,9 +350,10 @@ impl Instance {
             input = input.causal();
         }
         if let Some((query_ids, key_ids)) = &self.segments {
-            input = match case.self_attention {
-                true => input.segment_ids(query_ids.clone()),
-                false => input.segment_ids_cross(query_ids.clone(), key_ids.clone()),
+            input = if case.self_attention {
+                input.segment_ids(query_ids.clone())
+            } else {
+                input.segment_ids_cross(query_ids.clone(), key_ids.clone())
             };
         }
         input

@@ -57,9 +57,10 @@ fn a_converted_burn_nn_attention_gives_burn_nns_outputs() {
                         .mask_pad(pad.clone()),
                 )
                 .context;
-            let paths = match quiet_softmax {
-                true => vec![mha::AttentionPath::Explicit, mha::AttentionPath::Auto],
-                false => common::paths(&device),
+            let paths = if quiet_softmax {
+                vec![mha::AttentionPath::Explicit, mha::AttentionPath::Auto]
+            } else {
+                common::paths(&device)
             };
             for path in paths {
                 let actual = ours

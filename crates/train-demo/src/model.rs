@@ -166,9 +166,10 @@ impl TransformerConfig {
             position_embedding: (!self.rotary).then(|| embedding(self.max_len)),
             previous_token_embedding: self.token_shift.then(|| embedding(self.vocab + 1)),
             encoder,
-            attention_layers: match attention_only {
-                true => self.attention_layers(device),
-                false => Vec::new(),
+            attention_layers: if attention_only {
+                self.attention_layers(device)
+            } else {
+                Vec::new()
             },
             causal_stack,
             decoder,
@@ -236,11 +237,10 @@ impl Transformer {
         let [batch, seq_memory, _] = memory.dims();
         let device = memory.device();
         let input = TransformerDecoderInput::new(target, memory);
-        match self.no_attention {
-            true => {
-                input.memory_mask_pad(Tensor::<2, Bool>::full([batch, seq_memory], true, &device))
-            }
-            false => input,
+        if self.no_attention {
+            input.memory_mask_pad(Tensor::<2, Bool>::full([batch, seq_memory], true, &device))
+        } else {
+            input
         }
     }
 

@@ -79,9 +79,10 @@ pub fn huge_pages() -> bool {
     match HUGE_PAGES.load(Ordering::Relaxed) {
         HUGE_PAGES_UNSET => {
             let from_environment = std::env::var("MHA_HUGE_PAGES").is_ok_and(|value| value == "1");
-            let setting = match from_environment {
-                true => HUGE_PAGES_ON,
-                false => HUGE_PAGES_OFF,
+            let setting = if from_environment {
+                HUGE_PAGES_ON
+            } else {
+                HUGE_PAGES_OFF
             };
             // A concurrent `set_huge_pages` wins over the environment.
             let _ = HUGE_PAGES.compare_exchange(
@@ -99,9 +100,10 @@ pub fn huge_pages() -> bool {
 /// Turns the huge-page request for fresh buffers of 2 MiB or more on or off, for the whole
 /// process, whatever `MHA_HUGE_PAGES` says.
 pub fn set_huge_pages(enabled: bool) {
-    let setting = match enabled {
-        true => HUGE_PAGES_ON,
-        false => HUGE_PAGES_OFF,
+    let setting = if enabled {
+        HUGE_PAGES_ON
+    } else {
+        HUGE_PAGES_OFF
     };
     HUGE_PAGES.store(setting, Ordering::Relaxed);
 }

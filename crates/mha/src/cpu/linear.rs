@@ -391,9 +391,10 @@ fn products_side_by_side<B: CpuStorage>(
                 write_rows(block, lhs_rows, gemm::Parallelism::None);
             });
     } else {
-        let parallelism = match parallel {
-            true => gemm::Parallelism::Rayon(0),
-            false => gemm::Parallelism::None,
+        let parallelism = if parallel {
+            gemm::Parallelism::Rayon(0)
+        } else {
+            gemm::Parallelism::None
         };
         write_rows(&mut output, lhs, parallelism);
     }

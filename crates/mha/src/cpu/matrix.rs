@@ -369,9 +369,10 @@ impl<'a> MatrixMut<'a> {
             start + count,
             self.columns
         );
-        let offset = match count == 0 || self.rows == 0 {
-            true => 0,
-            false => start,
+        let offset = if count == 0 || self.rows == 0 {
+            0
+        } else {
+            start
         };
         MatrixMut {
             // SAFETY: when the matrix has a row, column `start` of its first row lies in the

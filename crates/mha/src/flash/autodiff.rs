@@ -24,7 +24,7 @@ impl<B: FlashKernels, C: CheckpointStrategy> FlashAttentionBackend for Autodiff<
         params: FlashParams,
     ) -> FloatTensor<Self> {
         let nodes = [query.node(), key.node(), value.node()];
-        let inputs = FlashInputs::new(query, key, value, (bias, forbid, sinks), params);
+        let inputs = FlashInputs::new(query, key, value, bias, forbid, sinks, params);
         let sinks_node = inputs.sinks.as_ref().map(|sinks| sinks.node());
         let inputs = inner::<B, C>(inputs);
         match sinks_node {
@@ -45,7 +45,7 @@ impl<B: FlashKernels, C: CheckpointStrategy> FlashAttentionBackend for Autodiff<
         sinks: MaybeFloat<Self>,
         params: FlashParams,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        let inputs = FlashInputs::new(query, key, value, (bias, forbid, sinks), params);
+        let inputs = FlashInputs::new(query, key, value, bias, forbid, sinks, params);
         let tracked = [Some(&inputs.query), Some(&inputs.key), Some(&inputs.value)]
             .into_iter()
             .chain([inputs.sinks.as_ref()])

@@ -324,8 +324,9 @@ struct BlockGrads<B: Backend> {
 fn block_grads<B: Backend>(
     block: &ScoreBlock<B>,
     rows: &RowTerms<B>,
-    (k_start, k_len): (usize, usize),
+    keys: (usize, usize),
 ) -> BlockGrads<B> {
+    let (k_start, k_len) = keys;
     let inputs = block.inputs;
     let geometry = &block.geometry;
     let (_, q_len) = block.queries;
@@ -525,7 +526,7 @@ fn narrow_float<B: Backend>(
     length: usize,
 ) -> FloatTensor<B> {
     let shape = tensor.shape();
-    narrow_axis(tensor, &shape, axis, (start, length), B::float_slice)
+    narrow_axis(tensor, &shape, axis, start, length, B::float_slice)
 }
 
 fn narrow_bool<B: Backend>(
@@ -535,7 +536,7 @@ fn narrow_bool<B: Backend>(
     length: usize,
 ) -> BoolTensor<B> {
     let shape = tensor.shape();
-    narrow_axis(tensor, &shape, axis, (start, length), B::bool_slice)
+    narrow_axis(tensor, &shape, axis, start, length, B::bool_slice)
 }
 
 /// `tensor[.., start..start + length, ..]` along `axis` through the backend's `slice`, or the
@@ -545,16 +546,20 @@ fn narrow_axis<T>(
     tensor: T,
     shape: &Shape,
     axis: usize,
-    (start, length): (usize, usize),
+    start: usize,
+    length: usize,
     slice: impl FnOnce(T, &[Slice]) -> T,
 ) -> T {
     if shape[axis] == 1 {
         return tensor;
     }
     let ranges: Vec<Slice> = (0..shape.num_dims())
-        .map(|dim| match dim == axis {
-            true => Slice::from(start..start + length),
-            false => Slice::from(0..shape[dim]),
+        .map(|dim| {
+            if dim == axis {
+                Slice::from(start..start + length)
+            } else {
+                Slice::from(0..shape[dim])
+            }
         })
         .collect();
     slice(tensor, &ranges)

@@ -77,7 +77,7 @@ pub(crate) trait FlashAttentionBackend: Backend {
         #[extension_type] sinks: MaybeFloat<Self>,
         params: FlashParams,
     ) -> FloatTensor<Self> {
-        let inputs = FlashInputs::new(query, key, value, (bias, forbid, sinks), params);
+        let inputs = FlashInputs::new(query, key, value, bias, forbid, sinks, params);
         precision::forward(&inputs, generic::forward).output
     }
 
@@ -101,7 +101,7 @@ pub(crate) trait FlashAttentionBackend: Backend {
         #[extension_type] sinks: MaybeFloat<Self>,
         params: FlashParams,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        let inputs = FlashInputs::new(query, key, value, (bias, forbid, sinks), params);
+        let inputs = FlashInputs::new(query, key, value, bias, forbid, sinks, params);
         precision::weights(&inputs, generic::forward_with_weights)
     }
 }
@@ -112,7 +112,9 @@ impl<B: Backend> FlashInputs<B> {
         query: FloatTensor<B>,
         key: FloatTensor<B>,
         value: FloatTensor<B>,
-        (bias, forbid, sinks): (MaybeFloat<B>, MaybeBool<B>, MaybeFloat<B>),
+        bias: MaybeFloat<B>,
+        forbid: MaybeBool<B>,
+        sinks: MaybeFloat<B>,
         params: FlashParams,
     ) -> Self {
         Self {
@@ -165,7 +167,8 @@ pub(crate) trait FlashKernels: Backend {
 #[allow(dead_code)]
 fn native_or_generic<T>(
     execution: &Execution,
-    (pass, native_body): (Pass, Ran),
+    pass: Pass,
+    native_body: Ran,
     native: impl FnOnce() -> Option<T>,
     generic: impl FnOnce() -> T,
 ) -> T {
@@ -199,7 +202,7 @@ macro_rules! kernel_routed_extension {
                 sinks: MaybeFloat<Self>,
                 params: FlashParams,
             ) -> FloatTensor<Self> {
-                let inputs = FlashInputs::new(query, key, value, (bias, forbid, sinks), params);
+                let inputs = FlashInputs::new(query, key, value, bias, forbid, sinks, params);
                 Self::forward_kernel(&inputs).output
             }
 
@@ -212,7 +215,7 @@ macro_rules! kernel_routed_extension {
                 sinks: MaybeFloat<Self>,
                 params: FlashParams,
             ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-                let inputs = FlashInputs::new(query, key, value, (bias, forbid, sinks), params);
+                let inputs = FlashInputs::new(query, key, value, bias, forbid, sinks, params);
                 Self::weights_kernel(&inputs)
             }
         }
@@ -231,7 +234,8 @@ macro_rules! native_flash_kernels {
                 precision::forward(inputs, |inputs| {
                     native_or_generic(
                         &inputs.params.execution,
-                        (Pass::Forward, Ran::Cpu),
+                        Pass::Forward,
+                        Ran::Cpu,
                         || cpu::forward(inputs),
                         || generic::forward(inputs),
                     )
@@ -244,7 +248,8 @@ macro_rules! native_flash_kernels {
                 precision::weights(inputs, |inputs| {
                     native_or_generic(
                         &inputs.params.execution,
-                        (Pass::Weights, Ran::Cpu),
+                        Pass::Weights,
+                        Ran::Cpu,
                         || cpu::forward_with_weights(inputs),
                         || generic::forward_with_weights(inputs),
                     )
@@ -258,7 +263,8 @@ macro_rules! native_flash_kernels {
                 precision::backward(state, output_grad, |state, output_grad| {
                     native_or_generic(
                         &state.inputs.params.execution,
-                        (Pass::Backward, Ran::Cpu),
+                        Pass::Backward,
+                        Ran::Cpu,
                         || cpu::backward(state, &output_grad),
                         || generic::backward(state, output_grad.clone()),
                     )

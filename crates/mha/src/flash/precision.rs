@@ -22,9 +22,10 @@ fn compute_type(dtype: DType) -> DType {
 
 /// `tensor` in `dtype`, cast only if it is in another type.
 fn cast_to<B: Backend>(tensor: &FloatTensor<B>, dtype: DType) -> FloatTensor<B> {
-    match tensor.dtype() == dtype {
-        true => tensor.clone(),
-        false => B::float_cast(tensor.clone(), FloatDType::from(dtype)),
+    if tensor.dtype() == dtype {
+        tensor.clone()
+    } else {
+        B::float_cast(tensor.clone(), FloatDType::from(dtype))
     }
 }
 

@@ -38,8 +38,9 @@ fn residual(
     norm_first: bool,
     sublayer: impl FnOnce(Tensor<3>) -> Tensor<3>,
 ) -> Tensor<3> {
-    match norm_first {
-        true => x.clone() + dropout.forward(sublayer(norm.forward(x))),
-        false => norm.forward(x.clone() + dropout.forward(sublayer(x))),
+    if norm_first {
+        x.clone() + dropout.forward(sublayer(norm.forward(x)))
+    } else {
+        norm.forward(x.clone() + dropout.forward(sublayer(x)))
     }
 }

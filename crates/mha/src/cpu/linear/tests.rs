@@ -137,9 +137,10 @@ fn the_native_projection_trains_as_linear_does() {
                 .with_bias(bias)
                 .init(&device);
             let normal = Distribution::Normal(0.0, 1.0);
-            let x = match transposed {
-                false => Tensor::<3>::random([2, seq, d_input], normal, &device),
-                true => Tensor::<3>::random([2, d_input, seq], normal, &device).swap_dims(1, 2),
+            let x = if transposed {
+                Tensor::<3>::random([2, d_input, seq], normal, &device).swap_dims(1, 2)
+            } else {
+                Tensor::<3>::random([2, seq, d_input], normal, &device)
             };
             // The gradients' rounding grows with the square root of the rows they sum.
             let tolerance = 1e-4 * ((2 * seq) as f32 / 14.0).sqrt();
@@ -196,17 +197,16 @@ fn the_native_projection_trains_as_linear_does() {
                     "{case}: bias gradient off by {difference}"
                 );
             }
-            match input_tracked {
-                true => {
-                    let [actual, expected] =
-                        [&ours, &burns].map(|grads| x.grad(grads).expect("an input gradient"));
-                    let difference = max_difference(actual, expected);
-                    assert!(
-                        difference <= tolerance,
-                        "{case}: input gradient off by {difference}"
-                    );
-                }
-                false => assert!(x.grad(&ours).is_none(), "{case}: untracked input"),
+            if input_tracked {
+                let [actual, expected] =
+                    [&ours, &burns].map(|grads| x.grad(grads).expect("an input gradient"));
+                let difference = max_difference(actual, expected);
+                assert!(
+                    difference <= tolerance,
+                    "{case}: input gradient off by {difference}"
+                );
+            } else {
+                assert!(x.grad(&ours).is_none(), "{case}: untracked input");
             }
         }
         let frozen = LinearConfig::new(12, 20).init(&device).no_grad();

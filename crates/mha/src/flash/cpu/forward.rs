@@ -77,9 +77,10 @@ pub(super) fn forward_writing<B: CpuStorage>(
     };
     let heads = weights::per_head(&mut softmax_stats, weights_buffer.as_deref_mut(), &geometry);
     let head_outputs = sequence_major_heads(&mut output, output_shape);
-    match kernel.reads_values_once_per_group() {
-        true => kernel.forward_groups(heads, head_outputs),
-        false => kernel.forward_heads(heads, head_outputs),
+    if kernel.reads_values_once_per_group() {
+        kernel.forward_groups(heads, head_outputs)
+    } else {
+        kernel.forward_heads(heads, head_outputs)
     }
     let forward = FlashForward {
         output: B::sequence_major(output, output_shape),
@@ -336,7 +337,8 @@ impl Kernel<'_> {
                 &mut heads,
                 group_blocks,
                 group_output,
-                (&queries, &keys),
+                &queries,
+                &keys,
                 values,
             );
         }
@@ -349,7 +351,8 @@ fn write_group_block(
     heads: &mut [HeadOutputs],
     blocks: &[BlockScratch],
     sums_buffer: &mut Vec<f32>,
-    (queries, keys): (&Range<usize>, &Range<usize>),
+    queries: &Range<usize>,
+    keys: &Range<usize>,
     values: Matrix,
 ) {
     if keys.is_empty() {

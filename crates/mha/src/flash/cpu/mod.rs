@@ -172,9 +172,10 @@ impl<'a> Kernel<'a> {
     fn threads(&self) -> Threads {
         let g = &self.geometry;
         let work = g.score_elements() * (g.head_dim + g.value_dim);
-        match g.batch * g.n_heads > 1 && work >= PARALLEL_WORK {
-            true => Threads::Pool,
-            false => Threads::One,
+        if g.batch * g.n_heads > 1 && work >= PARALLEL_WORK {
+            Threads::Pool
+        } else {
+            Threads::One
         }
     }
 
@@ -222,17 +223,17 @@ impl<'a> Kernel<'a> {
         kv_head: HeadIndex,
     ) -> TransposedHead<'t> {
         let [key, value] = [&self.key, &self.value].map(|view| view.head(kv_head));
-        match self.copies_heads() {
-            true => TransposedHead {
-                key: transposed_copy(transposed_key, key),
-                value: match transposed_value {
-                    Some(buffer) => transposed_copy(buffer, value),
-                    None => value.transposed(),
-                },
-            },
-            false => TransposedHead {
+        if !self.copies_heads() {
+            return TransposedHead {
                 key: key.transposed(),
                 value: value.transposed(),
+            };
+        }
+        TransposedHead {
+            key: transposed_copy(transposed_key, key),
+            value: match transposed_value {
+                Some(buffer) => transposed_copy(buffer, value),
+                None => value.transposed(),
             },
         }
     }
@@ -256,9 +257,10 @@ impl<'a> Kernel<'a> {
     /// `head` (a key or value head) as dense rows in `buffer` ([`dense_copy`]) when
     /// [`Kernel::copies_heads`], else as it is.
     fn dense_rows<'t>(&self, buffer: &'t mut Vec<f32>, head: Matrix<'t>) -> Matrix<'t> {
-        match self.copies_heads() {
-            true => dense_copy(buffer, head),
-            false => head,
+        if self.copies_heads() {
+            dense_copy(buffer, head)
+        } else {
+            head
         }
     }
 }

@@ -264,7 +264,8 @@ impl FlashKernels for burn::backend::Cube {
     fn forward_kernel(inputs: &FlashInputs<Self>) -> FlashForward<Self> {
         native_or_generic(
             &inputs.params.execution,
-            (Pass::Forward, Ran::Cube),
+            Pass::Forward,
+            Ran::Cube,
             || NativeCall::of(inputs).map(native_forward),
             || precision::forward(inputs, generic::forward),
         )
@@ -277,7 +278,8 @@ impl FlashKernels for burn::backend::Cube {
         state.check_output_grad(&output_grad);
         native_or_generic(
             &state.inputs.params.execution,
-            (Pass::Backward, Ran::Cube),
+            Pass::Backward,
+            Ran::Cube,
             || {
                 NativeCall::of(&state.inputs)
                     .map(|native| native_backward(state, native, &output_grad))
@@ -347,9 +349,10 @@ impl LaunchSizes for Geometry {
 
     fn problem(&self, call: &NativeCall, bias: &CubeTensor, forbid: &CubeTensor) -> ProblemLaunch {
         let strides = |tensor: &CubeTensor, used: bool| {
-            let [batch, head, query, key] = match used {
-                true => broadcast_strides(tensor),
-                false => [0; 4],
+            let [batch, head, query, key] = if used {
+                broadcast_strides(tensor)
+            } else {
+                [0; 4]
             };
             StridesLaunch::new(batch, head, query, key)
         };

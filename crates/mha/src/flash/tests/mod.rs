@@ -199,9 +199,12 @@ fn max_difference<const D: usize>(a: &Tensor<D>, b: &Tensor<D>) -> f32 {
     values(a)
         .iter()
         .zip(&values(b))
-        .map(|(x, y)| match x.is_finite() && y.is_finite() {
-            true => (x - y).abs(),
-            false => f32::INFINITY,
+        .map(|(x, y)| {
+            if x.is_finite() && y.is_finite() {
+                (x - y).abs()
+            } else {
+                f32::INFINITY
+            }
         })
         .fold(0.0, f32::max)
 }
