@@ -4,13 +4,20 @@
 //! projection weights) and the time reading that many bytes takes at this machine's measured
 //! read bandwidth.
 //!
+//! Then many sequences at once (`decoding/concurrent.rs`): continuous batching over a
+//! `PagedKvCache` against a padded `KvCache` batch and against one sequence at a time.
+//!
 //! `cargo bench --workspace --features burn-mha/wgpu,train-demo/ndarray,train-demo/wgpu --bench decoding`
-//! (options: `--positions 512,4096,16384`, `--steps 64`).
+//! (options: `--positions 512,4096,16384`, `--steps 64`, `--concurrent 1,8,32`, `--rounds 16`, `--block-size 16`;
+//! an empty list skips its table).
 
 use std::time::Instant;
 
 use burn::tensor::{Device, Distribution, Tensor};
 use mha::{KvCache, MhaInput, MultiHeadAttentionConfig};
+
+#[path = "decoding/concurrent.rs"]
+mod concurrent;
 
 const D_MODEL: usize = 512;
 const HEADS: usize = 8;
@@ -40,6 +47,9 @@ fn read_bandwidth() -> f64 {
 fn main() {
     let mut positions = vec![512, 4096, 16384];
     let mut steps = 64;
+    let mut concurrency = vec![1, 8, 32];
+    let mut rounds = 16;
+    let mut block_size = 16;
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
         let mut value = || args.next().expect("a value after the option");
@@ -47,10 +57,20 @@ fn main() {
             "--positions" => {
                 positions = value()
                     .split(',')
+                    .filter(|n| !n.is_empty())
                     .map(|n| n.parse().expect("--positions: numbers"))
                     .collect()
             }
             "--steps" => steps = value().parse().expect("--steps: a number"),
+            "--concurrent" => {
+                concurrency = value()
+                    .split(',')
+                    .filter(|n| !n.is_empty())
+                    .map(|n| n.parse().expect("--concurrent: numbers"))
+                    .collect()
+            }
+            "--rounds" => rounds = value().parse().expect("--rounds: a number"),
+            "--block-size" => block_size = value().parse().expect("--block-size: a number"),
             _ => {}
         }
     }
@@ -100,5 +120,14 @@ fn main() {
             bound * 1e3,
             median / bound
         );
+    }
+    let sizes = concurrent::Sizes {
+        d_model: D_MODEL,
+        kv_heads: KV_HEADS,
+        head_dim,
+        block_size,
+    };
+    if !concurrency.is_empty() {
+        concurrent::table(&module, &sizes, &concurrency, rounds, bandwidth, &device);
     }
 }

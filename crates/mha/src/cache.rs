@@ -178,17 +178,7 @@ impl Stored {
                 buffer: tensor,
             },
             CacheStorage::Int8 => {
-                let tensor = tensor.detach();
-                let scales = tensor
-                    .clone()
-                    .abs()
-                    .max_dim(3)
-                    .div_scalar(127.0)
-                    .clamp_min(f32::MIN_POSITIVE);
-                let values = (tensor / scales.clone())
-                    .round()
-                    .clamp(-127.0, 127.0)
-                    .cast(IntDType::I8);
+                let Quantized { values, scales } = quantize_int8(tensor);
                 Self::Int8 { values, scales }
             }
         }
@@ -224,9 +214,7 @@ impl Stored {
                     buffer.clone().narrow(2, 0, *len)
                 }
             }
-            Self::Int8 { values, scales } => {
-                values.clone().cast(FloatDType::from(dtype)) * scales.clone().cast(dtype)
-            }
+            Self::Int8 { values, scales } => dequantize_int8(values.clone(), scales.clone(), dtype),
         }
     }
 
@@ -318,6 +306,40 @@ impl Stored {
             }
         }
     }
+}
+
+/// Keys or values in int8: `values` in i8 and one f32 scale per position and head.
+pub(crate) struct Quantized {
+    /// `[batch, heads, positions, dim]`, i8.
+    pub values: Tensor<4, Int>,
+    /// `[batch, heads, positions, 1]`: `max |x| / 127` of each position's row.
+    pub scales: Tensor<4>,
+}
+
+/// `tensor` (`[batch, heads, positions, dim]`, detached) in int8, each row scaled by its own
+/// `max |x| / 127`: what [`CacheStorage::Int8`] stores.
+pub(crate) fn quantize_int8(tensor: Tensor<4>) -> Quantized {
+    let tensor = tensor.detach();
+    let scales = tensor
+        .clone()
+        .abs()
+        .max_dim(3)
+        .div_scalar(127.0)
+        .clamp_min(f32::MIN_POSITIVE);
+    let values = (tensor / scales.clone())
+        .round()
+        .clamp(-127.0, 127.0)
+        .cast(IntDType::I8);
+    Quantized { values, scales }
+}
+
+/// `quantized` back in floats of `dtype`.
+pub(crate) fn dequantize_int8(
+    values: Tensor<4, Int>,
+    scales: Tensor<4>,
+    dtype: DType,
+) -> Tensor<4> {
+    values.cast(FloatDType::from(dtype)) * scales.cast(dtype)
 }
 
 /// Which attention module filled a cache: its key projection's parameter id and its head

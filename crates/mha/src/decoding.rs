@@ -91,7 +91,7 @@ impl MultiHeadAttention {
             extra_keys: self.extra_keys(),
         };
         let geometry = self.geometry(geometry.batch, geometry.seq_q, step.keys);
-        let plan = self.plan(visibility, geometry, path, need_weights, &query);
+        let plan = self.plan(visibility, geometry, path, need_weights, &query.device());
         let first_query = step.positions.rope_query();
         let sequences = Sequences { query, key, value };
         let starts = RopeStarts {
@@ -191,7 +191,7 @@ impl MultiHeadAttention {
             geometry,
             AttentionPath::Auto,
             need_weights,
-            &query,
+            &query.device(),
         );
         let query = self.project_query(query, 0);
         self.attend(query, cache.key.clone(), cache.value.clone(), &plan)

@@ -94,6 +94,8 @@ pub(crate) enum Ran {
     /// The native kernel on CPU storage.
     Cpu,
     /// The native CubeCL kernels.
+    // Made by the CubeCL kernels only, compiled with a GPU backend's feature.
+    #[cfg_attr(not(feature = "cube"), allow(dead_code))]
     Cube,
     /// The generic body in backend primitives.
     Generic,

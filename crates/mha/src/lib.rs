@@ -46,6 +46,9 @@
 //!   causal, segments, [`NeedWeights`], [`AttentionPath`]) and output [`MhaOutput`].
 //! - Decoding: [`KvCache`] (unbounded, fixed, sliding or streaming windows, int8 storage) with
 //!   [`MultiHeadAttention::forward_cached`], and [`CrossAttentionCache`].
+//! - Serving: [`PagedKvCache`] (a bounded pool of blocks for many sequences, forks and shared
+//!   prefixes) with [`MultiHeadAttention::forward_paged`] (a ragged batch of prompts and
+//!   decoding steps in one call, continuous batching).
 //! - Positions: [`RopeConfig`] (RoPE) and ALiBi ([`alibi_slopes`]), as configuration fields.
 //! - Layers: [`transformer`] (encoder and decoder layers and stacks with burn-nn's names).
 //! - Interop: [`burn_nn`] (`From` burn-nn's modules), `pytorch` (state dicts, feature
@@ -86,6 +89,9 @@ mod input;
 mod kernel;
 mod mask;
 mod module;
+// Names burn-ndarray's deprecated backend type, as `cpu` does.
+#[allow(deprecated)]
+mod paged;
 mod rotary;
 mod rules;
 mod shape;
@@ -102,6 +108,7 @@ pub use input::{
 };
 pub use mask::causal_mask;
 pub use module::MultiHeadAttention;
+pub use paged::{PagedCacheError, PagedKvCache, PagedKvCacheConfig, SequenceId};
 pub use rotary::{RopeConfig, RopeLayout, RopeScaling};
 
 #[cfg(feature = "pytorch")]

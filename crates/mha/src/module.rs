@@ -4,7 +4,7 @@
 
 use burn::module::{Content, DisplaySettings, Module, ModuleDisplay, Param};
 use burn::nn::{Dropout, Linear};
-use burn::tensor::Tensor;
+use burn::tensor::{Device, Tensor};
 
 use crate::cache::CacheOwner;
 use crate::cpu::{native_linear, native_packed_linear};
@@ -261,7 +261,7 @@ impl MultiHeadAttention {
             }),
             extra_keys: self.extra_keys(),
         };
-        let plan = self.plan(visibility, geometry, path, need_weights, &query);
+        let plan = self.plan(visibility, geometry, path, need_weights, &query.device());
         let sequences = Sequences { query, key, value };
         let starts = RopeStarts {
             query: positions.rope_query(),
@@ -361,10 +361,9 @@ impl MultiHeadAttention {
         geometry: Geometry,
         path: AttentionPath,
         need_weights: NeedWeights,
-        query: &Tensor<3>,
+        device: &Device,
     ) -> Plan {
         visibility.check(&geometry);
-        let device = query.device();
         // Dropout changes the weights in training mode on an autodiff device only, as Burn's
         // `Dropout` decides.
         let dropout_active =
@@ -379,7 +378,7 @@ impl MultiHeadAttention {
                 + geometry.batch * geometry.n_heads * geometry.seq_q * self.extra_keys(),
             long_rows: geometry.seq_k + self.extra_keys() >= LONG_ROW_KEYS
                 && !visibility.shortens_rows(),
-            device: &device,
+            device,
         });
         Plan {
             visibility,
@@ -399,20 +398,56 @@ impl MultiHeadAttention {
         shared_input: bool,
         starts: RopeStarts,
     ) -> (Tensor<4>, Tensor<4>, Tensor<4>) {
+        let (query, key, value) = self.project_unrotated(sequences, shared_input);
+        (
+            self.rotated(query, starts.query),
+            self.rotated(key, starts.key),
+            value,
+        )
+    }
+
+    /// [`project`](Self::project) of one input whose row `i` is at position `positions[i]`
+    /// (`[1, rows, d_model]`, the rows of a ragged batch): queries and keys rotated each at its
+    /// own position.
+    pub(crate) fn project_at(
+        &self,
+        x: Tensor<3>,
+        positions: &[usize],
+    ) -> (Tensor<4>, Tensor<4>, Tensor<4>) {
+        let sequences = Sequences {
+            query: x.clone(),
+            key: x.clone(),
+            value: x,
+        };
+        let (query, key, value) = self.project_unrotated(sequences, true);
+        match &self.rope {
+            Some(rope) => (
+                rope.apply_at(query, positions),
+                rope.apply_at(key, positions),
+                value,
+            ),
+            None => (query, key, value),
+        }
+    }
+
+    /// The heads of [`project`](Self::project), not rotated.
+    fn project_unrotated(
+        &self,
+        sequences: Sequences,
+        shared_input: bool,
+    ) -> (Tensor<4>, Tensor<4>, Tensor<4>) {
         let Sequences { query, key, value } = sequences;
-        let RopeStarts {
-            query: query_start,
-            key: key_start,
-        } = starts;
         let packed = if shared_input {
             native_packed_linear([&self.query, &self.key, &self.value], &query)
         } else {
             None
         };
         let Some(packed) = packed else {
-            let query = self.project_query(query, query_start);
-            let (key, value) = self.project_key_value(key, value, key_start);
-            return (query, key, value);
+            return (
+                self.project_heads(query, &self.query, self.n_heads),
+                self.project_heads(key, &self.key, self.n_kv_heads),
+                self.project_heads(value, &self.value, self.n_kv_heads),
+            );
         };
         let [batch, seq, _] = packed.dims();
         let [heads, kv_heads, head_dim] = [self.n_heads, self.n_kv_heads, self.head_dim];
@@ -426,8 +461,8 @@ impl MultiHeadAttention {
                 .swap_dims(1, 2)
         };
         (
-            self.rotated(part(0, heads), query_start),
-            self.rotated(part(heads, kv_heads), key_start),
+            part(0, heads),
+            part(heads, kv_heads),
             part(heads + kv_heads, kv_heads),
         )
     }
@@ -485,23 +520,56 @@ impl MultiHeadAttention {
         value: Tensor<4>,
         plan: &Plan,
     ) -> MhaOutput {
-        let device = query.device();
-        let masks = plan
-            .visibility
-            .score_masks(&plan.geometry, (&device, query.dtype()));
-        let options = SoftmaxOptions {
+        let (context, weights) = self.attention_heads(query, key, value, plan);
+        let context = self.output_projection(context);
+        let weights = match plan.need_weights {
+            NeedWeights::No => None,
+            NeedWeights::PerHead => weights.map(AttentionWeights::PerHead),
+            NeedWeights::Averaged => {
+                weights.map(|weights| AttentionWeights::PerHead(weights).averaged_variant())
+            }
+        };
+        MhaOutput { context, weights }
+    }
+
+    /// The softmax options of this module's kernels.
+    pub(crate) fn softmax_options(&self, device: &Device) -> SoftmaxOptions {
+        SoftmaxOptions {
             scale: self.scale,
             custom_scale: self.custom_scale,
             softcap: self.softcap,
             // The quiet softmax is a sink of logit 0, constant.
             sinks: match (&self.sinks, self.quiet_softmax) {
                 (Some(sinks), _) => Some(sinks.val()),
-                (None, true) => Some(Tensor::zeros([self.n_heads], &device)),
+                (None, true) => Some(Tensor::zeros([self.n_heads], device)),
                 (None, false) => None,
             },
-        };
+        }
+    }
+
+    /// `[batch, n_heads, seq_q, head_dim]` context heads → `[batch, seq_q, d_model]` through
+    /// the output projection.
+    pub(crate) fn output_projection(&self, context: Tensor<4>) -> Tensor<3> {
+        let merged = merge_heads(context);
+        native_linear(&self.output, &merged).unwrap_or_else(|| self.output.forward(merged))
+    }
+
+    /// The kernel of `plan`: context heads `[batch, n_heads, seq_q, head_dim]` and, where it
+    /// computes them, the per-head weights.
+    pub(crate) fn attention_heads(
+        &self,
+        query: Tensor<4>,
+        key: Tensor<4>,
+        value: Tensor<4>,
+        plan: &Plan,
+    ) -> (Tensor<4>, Option<Tensor<4>>) {
+        let device = query.device();
+        let masks = plan
+            .visibility
+            .score_masks(&plan.geometry, (&device, query.dtype()));
+        let options = self.softmax_options(&device);
         let ordinary = Execution::default();
-        let (context, weights) = match plan.kernel {
+        match plan.kernel {
             Kernel::Fused => (fused_attention(query, key, value, &masks, &options), None),
             Kernel::Chunked(blocks) => (
                 chunked_attention(query, key, value, &masks, &options, blocks),
@@ -522,18 +590,7 @@ impl MultiHeadAttention {
                     explicit_attention(query, key, value, &masks, &options, &self.dropout);
                 (context, Some(weights))
             }
-        };
-        let merged = merge_heads(context);
-        let context =
-            native_linear(&self.output, &merged).unwrap_or_else(|| self.output.forward(merged));
-        let weights = match plan.need_weights {
-            NeedWeights::No => None,
-            NeedWeights::PerHead => weights.map(AttentionWeights::PerHead),
-            NeedWeights::Averaged => {
-                weights.map(|weights| AttentionWeights::PerHead(weights).averaged_variant())
-            }
-        };
-        MhaOutput { context, weights }
+        }
     }
 
     /// `linear(x)` split into heads, `[batch, heads, seq, head_dim]`.
@@ -638,7 +695,7 @@ mod tests {
             geometry,
             AttentionPath::Auto,
             NeedWeights::No,
-            &query,
+            &query.device(),
         );
         plan.kernel
     }

@@ -4,7 +4,7 @@
 use std::sync::{Arc, Mutex};
 
 use burn::config::Config;
-use burn::tensor::{DType, Device, Tensor, TensorData};
+use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 
 /// Which features of a head form the rotated pairs.
 #[derive(Config, Debug, Copy, PartialEq, Eq)]
@@ -201,13 +201,47 @@ impl Rope {
     ///
     /// Panics if `head_dim` is odd (the configuration refuses that earlier).
     pub fn apply(&self, x: Tensor<4>, start: usize) -> Tensor<4> {
-        let [batch, heads, seq, head_dim] = x.dims();
+        let [_, _, seq, head_dim] = x.dims();
         assert!(
             head_dim.is_multiple_of(2),
             "RoPE needs an even head_dim, got {head_dim}"
         );
-        let half = head_dim / 2;
         let (cos, sin) = self.angles(head_dim, start, seq, &x.device(), x.dtype());
+        self.rotate(x, cos, sin)
+    }
+
+    /// Rotates `x` (`[batch, heads, seq, head_dim]`) whose position `i` along `seq` is
+    /// `positions[i]`: the rows of a ragged batch, each at its own sequence's position.
+    ///
+    /// # Panics
+    ///
+    /// Panics if `head_dim` is odd or `positions` does not have one entry per row.
+    pub fn apply_at(&self, x: Tensor<4>, positions: &[usize]) -> Tensor<4> {
+        let [_, _, seq, head_dim] = x.dims();
+        assert!(
+            head_dim.is_multiple_of(2) && positions.len() == seq,
+            "RoPE needs an even head_dim and one position per row, got head_dim {head_dim}, {} \
+             positions for {seq} rows",
+            positions.len()
+        );
+        let device = x.device();
+        let end = positions.iter().max().map_or(0, |&last| last + 1);
+        let (cos, sin) = self.angles(head_dim, 0, end, &device, x.dtype());
+        let indices = Tensor::<1, Int>::from_data(
+            TensorData::new(
+                positions.iter().map(|&p| p as i64).collect::<Vec<_>>(),
+                [seq],
+            ),
+            &device,
+        );
+        let (cos, sin) = (cos.select(0, indices.clone()), sin.select(0, indices));
+        self.rotate(x, cos, sin)
+    }
+
+    /// `x` rotated by the angles whose `cos` and `sin` are given per row (`[seq, head_dim / 2]`).
+    fn rotate(&self, x: Tensor<4>, cos: Tensor<2>, sin: Tensor<2>) -> Tensor<4> {
+        let [batch, heads, seq, head_dim] = x.dims();
+        let half = head_dim / 2;
         let cos = cos.reshape([1, 1, seq, half]);
         let sin = sin.reshape([1, 1, seq, half]);
         match self.config.layout {
@@ -338,6 +372,27 @@ mod tests {
         rotated
             .into_data()
             .assert_approx_eq::<f32>(&expected.into(), Tolerance::absolute(1e-5));
+    }
+
+    #[test]
+    fn rows_at_their_own_positions_rotate_as_each_alone() {
+        let device = Device::flex();
+        for layout in [RopeLayout::Interleaved, RopeLayout::HalfSplit] {
+            let rope = Rope::new(RopeConfig::new().with_layout(layout));
+            let seq = 6;
+            let values: Vec<f32> = (0..2 * seq * 8).map(|i| (i as f32 * 0.37).sin()).collect();
+            let x = Tensor::<1>::from_data(values.as_slice(), &device).reshape([1, 2, seq, 8]);
+            let positions: Vec<usize> = (0..seq).map(|row| 7 * row % 5 + 3 * row).collect();
+            let together = rope.apply_at(x.clone(), &positions);
+            for (row, &position) in positions.iter().enumerate() {
+                let alone = rope.apply(x.clone().narrow(2, row, 1), position);
+                together
+                    .clone()
+                    .narrow(2, row, 1)
+                    .into_data()
+                    .assert_approx_eq::<f32>(&alone.into_data(), Tolerance::absolute(1e-6));
+            }
+        }
     }
 
     #[test]

@@ -61,6 +61,11 @@ impl<'a> HeadsView<'a> {
         }
     }
 
+    /// The tensor's `[batch, heads, seq, dim]`.
+    pub fn shape(&self) -> [usize; 4] {
+        self.shape
+    }
+
     /// Head `index` as a `[seq, dim]` matrix.
     ///
     /// # Panics

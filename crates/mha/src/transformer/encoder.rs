@@ -235,7 +235,7 @@ impl TransformerEncoderLayer {
         self.feed_forward_sublayer(x)
     }
 
-    fn feed_forward_sublayer(&self, x: Tensor<3>) -> Tensor<3> {
+    pub(super) fn feed_forward_sublayer(&self, x: Tensor<3>) -> Tensor<3> {
         residual(
             x,
             &self.feed_forward_norm,

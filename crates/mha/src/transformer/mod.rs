@@ -7,10 +7,12 @@
 //! `norm_first`, `quiet_softmax`, `initializer`, `activation`, `layer_norm_eps`), so that a
 //! model written for burn-nn changes one import; they add this crate's attention options
 //! (`n_kv_heads`, `rope`, `alibi`, `window`, `causal`). A burn-nn model converts with its
-//! weights ([`crate::burn_nn`]). Both stacks decode with KV caches through every layer.
+//! weights ([`crate::burn_nn`]). Both stacks decode with KV caches through every layer; the causal encoder (a decoder-only
+//! model) also serves many sequences at once through a [`PagedTransformerCache`].
 
 mod decoder;
 mod encoder;
+mod paged;
 
 pub use decoder::{
     TransformerDecoder, TransformerDecoderCache, TransformerDecoderConfig, TransformerDecoderInput,
@@ -20,6 +22,7 @@ pub use encoder::{
     TransformerEncoder, TransformerEncoderCache, TransformerEncoderConfig, TransformerEncoderInput,
     TransformerEncoderLayer,
 };
+pub use paged::PagedTransformerCache;
 
 use burn::nn::{Dropout, LayerNorm};
 use burn::tensor::Tensor;

@@ -1,0 +1,714 @@
+//! [`PagedKvCache`]: the keys and values of many sequences in one bounded pool of fixed-size
+//! blocks, a block table per sequence (vLLM's PagedAttention layout), blocks shared between
+//! sequences by reference count and copied on the first write that would change a shared one.
+
+use core::fmt;
+use std::collections::BTreeMap;
+use std::ops::Range;
+
+use burn::tensor::{DType, Device, Tensor};
+
+use super::store::{BlockLayout, BlockStore};
+use crate::cache::{CacheOwner, CacheStorage};
+
+/// One sequence of a [`PagedKvCache`], as [`PagedKvCache::add_sequence`] and
+/// [`PagedKvCache::fork`] hand it out. Ids are never reused by a cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct SequenceId(u64);
+
+impl SequenceId {
+    /// The id's number (in the order the cache handed the ids out).
+    pub fn index(self) -> u64 {
+        self.0
+    }
+}
+
+impl fmt::Display for SequenceId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "sequence {}", self.0)
+    }
+}
+
+/// The configuration of a [`PagedKvCache`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PagedKvCacheConfig {
+    /// Blocks the pool holds at most, all sequences together: the cache's memory bound. A step
+    /// that would need more is refused with [`PagedCacheError::PoolFull`].
+    pub max_blocks: usize,
+    /// Positions per block. Default: 16 (vLLM's). A sequence wastes at most `block_size - 1`
+    /// positions of its last block.
+    pub block_size: usize,
+    /// How keys and values are stored. Default: [`CacheStorage::Float`].
+    pub storage: CacheStorage,
+}
+
+impl PagedKvCacheConfig {
+    /// A pool of at most `max_blocks` blocks of 16 positions in float storage.
+    pub fn new(max_blocks: usize) -> Self {
+        Self {
+            max_blocks,
+            block_size: 16,
+            storage: CacheStorage::Float,
+        }
+    }
+
+    /// The same pool with `block_size` positions per block.
+    pub fn with_block_size(mut self, block_size: usize) -> Self {
+        self.block_size = block_size;
+        self
+    }
+
+    /// The same pool storing keys and values as `storage` says.
+    pub fn with_storage(mut self, storage: CacheStorage) -> Self {
+        self.storage = storage;
+        self
+    }
+
+    /// An empty cache. Its pool is allocated on the first step (when the module's head sizes
+    /// and the device are known) and grows by doubling up to `max_blocks`.
+    ///
+    /// # Panics
+    ///
+    /// If `max_blocks` or `block_size` is 0.
+    pub fn init(&self) -> PagedKvCache {
+        assert!(
+            self.max_blocks > 0 && self.block_size > 0,
+            "PagedKvCacheConfig: `max_blocks` ({}) and `block_size` ({}) must be positive",
+            self.max_blocks,
+            self.block_size
+        );
+        PagedKvCache {
+            config: *self,
+            key: None,
+            value: None,
+            refcounts: Vec::new(),
+            free: Vec::new(),
+            sequences: BTreeMap::new(),
+            next_id: 0,
+            owner: None,
+        }
+    }
+}
+
+/// Why a paged step or a sequence operation was refused. The cache is left unchanged.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PagedCacheError {
+    /// The pool has too few free blocks for the step: no sequence's state was touched.
+    PoolFull {
+        /// The first sequence of the step whose blocks did not fit.
+        sequence: SequenceId,
+        /// Blocks the whole step needs.
+        needed: usize,
+        /// Blocks free now, counting those the pool may still grow by.
+        free: usize,
+    },
+    /// The id is not (or no longer) a sequence of this cache.
+    UnknownSequence(SequenceId),
+    /// [`PagedKvCache::fork_prefix`] asked for more positions than the sequence holds.
+    PrefixTooLong {
+        /// The sequence forked.
+        sequence: SequenceId,
+        /// Positions asked for.
+        prefix: usize,
+        /// Positions it holds.
+        len: usize,
+    },
+    /// The cache's storage cannot live on this device (int8 where the backend has no i8).
+    Storage {
+        /// What the device lacks.
+        reason: String,
+    },
+    /// The cache holds keys and values of another attention module.
+    OtherModule {
+        /// The module that filled the cache.
+        cached: CacheOwner,
+        /// The module of this step.
+        module: CacheOwner,
+    },
+}
+
+impl fmt::Display for PagedCacheError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::PoolFull {
+                sequence,
+                needed,
+                free,
+            } => write!(
+                f,
+                "paged KV cache full: the step needs {needed} blocks ({sequence} did not fit), \
+                 {free} are free; remove finished sequences or make the pool larger"
+            ),
+            Self::UnknownSequence(id) => {
+                write!(f, "paged KV cache: {id} is not a sequence of this cache")
+            }
+            Self::PrefixTooLong {
+                sequence,
+                prefix,
+                len,
+            } => write!(
+                f,
+                "paged KV cache: a prefix of {prefix} positions of {sequence}, which holds {len}"
+            ),
+            Self::Storage { reason } => write!(f, "paged KV cache storage: {reason}"),
+            Self::OtherModule { cached, module } => write!(
+                f,
+                "paged KV cache filled by another attention module ({cached}) than this step's \
+                 ({module}); each layer needs its own cache"
+            ),
+        }
+    }
+}
+
+impl core::error::Error for PagedCacheError {}
+
+/// Keys and values of many sequences in one bounded pool of blocks of `block_size` positions,
+/// `[blocks, n_kv_heads, block_size, head_dim]`, with a block table per sequence. Sequences
+/// join ([`add_sequence`](Self::add_sequence), [`fork`](Self::fork),
+/// [`fork_prefix`](Self::fork_prefix)) and leave ([`remove_sequence`](Self::remove_sequence),
+/// whose blocks go back to the pool at once) between any two steps of
+/// [`MultiHeadAttention::forward_paged`](crate::MultiHeadAttention::forward_paged), which
+/// decodes and prefills any mix of them in one call.
+///
+/// A forked sequence shares its parent's blocks (reference-counted); the first step that writes
+/// into a shared, partly filled block copies it first (copy-on-write), so a common prompt is
+/// stored once however many sequences continue it.
+///
+/// ```
+/// use burn::tensor::{Device, Distribution, Tensor};
+/// use mha::{MultiHeadAttentionConfig, PagedKvCacheConfig};
+///
+/// let device = Device::flex();
+/// let attention = MultiHeadAttentionConfig::new(16, 4).init(&device);
+/// let mut cache = PagedKvCacheConfig::new(64).init();
+/// let (a, b) = (cache.add_sequence(), cache.add_sequence());
+/// // A prompt of 3 tokens for `a` and one of 2 for `b`, in one step.
+/// let prompts = Tensor::<2>::random([5, 16], Distribution::Default, &device);
+/// attention.forward_paged(prompts, &mut cache, &[a, a, a, b, b]).unwrap();
+/// // One decoding step for both.
+/// let next = Tensor::<2>::random([2, 16], Distribution::Default, &device);
+/// let output = attention.forward_paged(next, &mut cache, &[a, b]).unwrap();
+/// assert_eq!(output.dims(), [2, 16]);
+/// assert_eq!((cache.len(a), cache.len(b)), (Some(4), Some(3)));
+/// ```
+#[derive(Debug, Clone)]
+pub struct PagedKvCache {
+    config: PagedKvCacheConfig,
+    /// The key blocks, once a step stored some.
+    key: Option<BlockStore>,
+    /// The value blocks.
+    value: Option<BlockStore>,
+    /// Sequences referring to each block the pool holds (0 = free); its length is the pool's
+    /// size in blocks.
+    refcounts: Vec<u32>,
+    /// The blocks of the pool no sequence refers to, taken from the end.
+    free: Vec<usize>,
+    sequences: BTreeMap<SequenceId, BlockTable>,
+    next_id: u64,
+    /// The module whose keys and values the cache holds, once a step stored some.
+    owner: Option<CacheOwner>,
+}
+
+/// Where one sequence's positions live: position `p` is at offset `p % block_size` of block
+/// `blocks[p / block_size]`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct BlockTable {
+    pub blocks: Vec<usize>,
+    /// Positions stored.
+    pub len: usize,
+}
+
+/// A sequence's rows in one step: rows `rows` of the step's input are its new tokens.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct SequenceRows {
+    pub id: SequenceId,
+    pub rows: Range<usize>,
+}
+
+/// One sequence's part of a checked step: the positions it held before and its table once the
+/// step's blocks are allocated.
+#[derive(Debug, Clone)]
+pub(crate) struct SequenceStep {
+    pub id: SequenceId,
+    pub rows: Range<usize>,
+    /// Positions stored before the step (the first new token's position).
+    pub past: usize,
+    /// The table after the step: blocks for `past + rows.len()` positions.
+    pub table: BlockTable,
+    /// A shared, partly filled last block copied into a block of its own before the write.
+    copy: Option<BlockCopy>,
+}
+
+/// A copy-on-write: block `from` copied into block `to`.
+#[derive(Debug, Clone, Copy)]
+struct BlockCopy {
+    from: usize,
+    to: usize,
+}
+
+/// What one sequence's part of a step takes from the pool.
+struct PlannedSequence {
+    table: BlockTable,
+    copy: Option<BlockCopy>,
+    /// Blocks it needs.
+    needed: usize,
+    /// Whether the pool had them all.
+    fits: bool,
+}
+
+/// A checked step: every sequence's new table, and the blocks it takes from the pool.
+#[derive(Debug)]
+pub(crate) struct PagedStep {
+    pub owner: CacheOwner,
+    pub sequences: Vec<SequenceStep>,
+    pool: PoolPlan,
+}
+
+/// The pool as a step leaves it: its size, its free blocks and those the step took.
+#[derive(Debug)]
+struct PoolPlan {
+    free: Vec<usize>,
+    /// Blocks the pool holds, grown for the step.
+    blocks: usize,
+    max_blocks: usize,
+    taken: Vec<usize>,
+}
+
+impl PoolPlan {
+    /// A free block, the pool doubled (up to its bound) when none is left; `None` when full.
+    fn take(&mut self) -> Option<usize> {
+        if self.free.is_empty() && self.blocks < self.max_blocks {
+            let grown = (2 * self.blocks).clamp(self.blocks + 1, self.max_blocks);
+            // Reversed, so that blocks are taken in increasing order.
+            self.free.extend((self.blocks..grown).rev());
+            self.blocks = grown;
+        }
+        let block = self.free.pop()?;
+        self.taken.push(block);
+        Some(block)
+    }
+}
+
+impl PagedKvCache {
+    /// The configuration the cache was made with.
+    pub fn config(&self) -> PagedKvCacheConfig {
+        self.config
+    }
+
+    /// Positions per block.
+    pub fn block_size(&self) -> usize {
+        self.config.block_size
+    }
+
+    /// A new, empty sequence.
+    pub fn add_sequence(&mut self) -> SequenceId {
+        let id = SequenceId(self.next_id);
+        self.next_id += 1;
+        self.sequences.insert(id, BlockTable::default());
+        id
+    }
+
+    /// Removes a sequence; the blocks no other sequence shares are free at once.
+    ///
+    /// # Errors
+    ///
+    /// [`PagedCacheError::UnknownSequence`] if `id` is not a sequence of this cache.
+    pub fn remove_sequence(&mut self, id: SequenceId) -> Result<(), PagedCacheError> {
+        let table = self
+            .sequences
+            .remove(&id)
+            .ok_or(PagedCacheError::UnknownSequence(id))?;
+        for block in table.blocks {
+            self.release_block(block);
+        }
+        Ok(())
+    }
+
+    /// A new sequence that continues `id` as it is now (beam search, parallel sampling): it
+    /// shares every block, and the two part at their next writes.
+    ///
+    /// # Errors
+    ///
+    /// [`PagedCacheError::UnknownSequence`] if `id` is not a sequence of this cache.
+    pub fn fork(&mut self, id: SequenceId) -> Result<SequenceId, PagedCacheError> {
+        let len = self.len(id).ok_or(PagedCacheError::UnknownSequence(id))?;
+        self.fork_prefix(id, len)
+    }
+
+    /// A new sequence holding the first `prefix` positions of `id` (a shared prompt), sharing
+    /// their blocks.
+    ///
+    /// # Errors
+    ///
+    /// [`PagedCacheError::UnknownSequence`] if `id` is not a sequence of this cache,
+    /// [`PagedCacheError::PrefixTooLong`] if it holds fewer than `prefix` positions.
+    pub fn fork_prefix(
+        &mut self,
+        id: SequenceId,
+        prefix: usize,
+    ) -> Result<SequenceId, PagedCacheError> {
+        let table = self
+            .sequences
+            .get(&id)
+            .ok_or(PagedCacheError::UnknownSequence(id))?;
+        if prefix > table.len {
+            return Err(PagedCacheError::PrefixTooLong {
+                sequence: id,
+                prefix,
+                len: table.len,
+            });
+        }
+        let blocks = table.blocks[..prefix.div_ceil(self.config.block_size)].to_vec();
+        for &block in &blocks {
+            self.refcounts[block] += 1;
+        }
+        let forked = self.add_sequence();
+        self.sequences.insert(
+            forked,
+            BlockTable {
+                blocks,
+                len: prefix,
+            },
+        );
+        Ok(forked)
+    }
+
+    /// Positions `id` holds, or `None` if it is not a sequence of this cache.
+    pub fn len(&self, id: SequenceId) -> Option<usize> {
+        self.sequences.get(&id).map(|table| table.len)
+    }
+
+    /// The sequences of the cache, in the order they were added.
+    pub fn sequences(&self) -> impl Iterator<Item = SequenceId> + '_ {
+        self.sequences.keys().copied()
+    }
+
+    /// Whether the cache has no sequence.
+    pub fn is_empty(&self) -> bool {
+        self.sequences.is_empty()
+    }
+
+    /// Blocks some sequence refers to (a shared block counted once).
+    pub fn blocks_in_use(&self) -> usize {
+        self.refcounts.len() - self.free.len()
+    }
+
+    /// Blocks a step may still take: the pool's free ones and those it may grow by.
+    pub fn free_blocks(&self) -> usize {
+        self.free.len() + self.config.max_blocks - self.refcounts.len()
+    }
+
+    /// Blocks the pool has allocated (in use or free), at most `max_blocks`.
+    pub fn reserved_blocks(&self) -> usize {
+        self.refcounts.len()
+    }
+
+    /// Bytes one block takes, keys and values together; 0 before the first step.
+    pub fn block_bytes(&self) -> usize {
+        [&self.key, &self.value]
+            .into_iter()
+            .flatten()
+            .map(BlockStore::block_bytes)
+            .sum()
+    }
+
+    /// Bytes of the blocks in use: within one block per sequence of the positions stored.
+    pub fn bytes_in_use(&self) -> usize {
+        self.blocks_in_use() * self.block_bytes()
+    }
+
+    /// Bytes the pool has allocated.
+    pub fn reserved_bytes(&self) -> usize {
+        self.reserved_blocks() * self.block_bytes()
+    }
+
+    #[cfg(test)]
+    fn table(&self, id: SequenceId) -> Option<&BlockTable> {
+        self.sequences.get(&id)
+    }
+
+    pub(crate) fn stores(&self) -> Option<(&BlockStore, &BlockStore)> {
+        self.key.as_ref().zip(self.value.as_ref())
+    }
+
+    fn release_block(&mut self, block: usize) {
+        self.refcounts[block] -= 1;
+        if self.refcounts[block] == 0 {
+            self.free.push(block);
+        }
+    }
+
+    /// Checks a step of `sequences`' new rows by `owner` on `device`, and allocates nothing:
+    /// a refused step leaves the cache as it was.
+    pub(crate) fn begin(
+        &self,
+        owner: CacheOwner,
+        sequences: &[SequenceRows],
+        device: &Device,
+    ) -> Result<PagedStep, PagedCacheError> {
+        if let Some(cached) = self.owner
+            && cached != owner
+        {
+            return Err(PagedCacheError::OtherModule {
+                cached,
+                module: owner,
+            });
+        }
+        if self.config.storage == CacheStorage::Int8 && !device.supports_dtype(DType::I8) {
+            return Err(PagedCacheError::Storage {
+                reason: format!("{device:?} has no i8 tensors; use CacheStorage::Float"),
+            });
+        }
+        let mut pool = PoolPlan {
+            free: self.free.clone(),
+            blocks: self.refcounts.len(),
+            max_blocks: self.config.max_blocks,
+            taken: Vec::new(),
+        };
+        // Copies-on-write of this step, per block copied from.
+        let mut copied: BTreeMap<usize, u32> = BTreeMap::new();
+        let mut needed = 0;
+        let mut refused = None;
+        let mut steps = Vec::with_capacity(sequences.len());
+        for SequenceRows { id, rows } in sequences {
+            let table = self
+                .sequences
+                .get(id)
+                .ok_or(PagedCacheError::UnknownSequence(*id))?;
+            let planned = self.plan_sequence(table, rows.len(), &mut pool, &mut copied);
+            needed += planned.needed;
+            if !planned.fits {
+                refused = refused.or(Some(*id));
+            }
+            steps.push(SequenceStep {
+                id: *id,
+                rows: rows.clone(),
+                past: table.len,
+                table: planned.table,
+                copy: planned.copy,
+            });
+        }
+        if let Some(sequence) = refused {
+            return Err(PagedCacheError::PoolFull {
+                sequence,
+                needed,
+                free: self.free_blocks(),
+            });
+        }
+        Ok(PagedStep {
+            owner,
+            sequences: steps,
+            pool,
+        })
+    }
+
+    /// The blocks `new` positions appended to `table` take from `pool`: a block per block
+    /// boundary crossed, and a copy of a shared, partly filled last block (counted in `copied`,
+    /// per block copied from: a block shared by `n` sequences is copied by the first `n - 1`
+    /// that write into it, and the last writes in place).
+    fn plan_sequence(
+        &self,
+        table: &BlockTable,
+        new: usize,
+        pool: &mut PoolPlan,
+        copied: &mut BTreeMap<usize, u32>,
+    ) -> PlannedSequence {
+        let block_size = self.config.block_size;
+        let past = table.len;
+        let mut planned = PlannedSequence {
+            table: BlockTable {
+                blocks: table.blocks.clone(),
+                len: past + new,
+            },
+            copy: None,
+            needed: 0,
+            fits: true,
+        };
+        let partial_block =
+            (!past.is_multiple_of(block_size) && new > 0).then(|| table.blocks[past / block_size]);
+        let shared_partial_block = partial_block
+            .filter(|&block| self.refcounts[block] - copied.get(&block).copied().unwrap_or(0) > 1);
+        let new_blocks = planned.table.len.div_ceil(block_size) - table.blocks.len();
+        planned.needed = new_blocks + usize::from(shared_partial_block.is_some());
+        if let Some(from) = shared_partial_block {
+            match pool.take() {
+                Some(to) => {
+                    *copied.entry(from).or_default() += 1;
+                    planned.copy = Some(BlockCopy { from, to });
+                    *planned.table.blocks.last_mut().expect("a partial block") = to;
+                }
+                None => planned.fits = false,
+            }
+        }
+        for _ in 0..new_blocks {
+            match pool.take() {
+                Some(block) => planned.table.blocks.push(block),
+                None => planned.fits = false,
+            }
+        }
+        planned
+    }
+
+    /// Takes the step's blocks, copies the shared blocks it writes into, and stores the new
+    /// keys and values (`[1, n_kv_heads, rows, head_dim]`, the step's rows in order).
+    pub(crate) fn store(&mut self, step: &PagedStep, key: &Tensor<4>, value: &Tensor<4>) {
+        let [_, n_kv_heads, _, head_dim] = key.dims();
+        let value_dim = value.dims()[3];
+        let (config, pool) = (self.config, &step.pool);
+        let store = |side: BlockLayout, dim: usize, like: &Tensor<4>| {
+            let options = (&like.device(), like.dtype());
+            BlockStore::new(config, side, (n_kv_heads, dim), options)
+        };
+        let mut key_store = self
+            .key
+            .take()
+            .unwrap_or_else(|| store(BlockLayout::FeatureMajor, head_dim, key))
+            .grown(pool.blocks);
+        let mut value_store = self
+            .value
+            .take()
+            .unwrap_or_else(|| store(BlockLayout::PositionMajor, value_dim, value))
+            .grown(pool.blocks);
+        self.refcounts.resize(pool.blocks, 0);
+        self.free.clone_from(&pool.free);
+        for &block in &pool.taken {
+            self.refcounts[block] = 1;
+        }
+        for sequence in &step.sequences {
+            if let Some(BlockCopy { from, to }) = sequence.copy {
+                key_store = key_store.with_block_copied(from, to);
+                value_store = value_store.with_block_copied(from, to);
+                self.release_block(from);
+            }
+            let rows = &sequence.rows;
+            let key_rows = key.clone().narrow(2, rows.start, rows.len());
+            let value_rows = value.clone().narrow(2, rows.start, rows.len());
+            key_store = key_store.written(&sequence.table, sequence.past, key_rows);
+            value_store = value_store.written(&sequence.table, sequence.past, value_rows);
+            self.sequences.insert(sequence.id, sequence.table.clone());
+        }
+        self.key = Some(key_store);
+        self.value = Some(value_store);
+        self.owner = Some(step.owner);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::module::ParamId;
+
+    fn owner() -> CacheOwner {
+        CacheOwner {
+            key_weight: ParamId::new(),
+            n_kv_heads: 1,
+            head_dim: 2,
+        }
+    }
+
+    /// One step of `rows[i]` new positions for sequence `ids[i]`, keys and values all `value`.
+    fn step(
+        cache: &mut PagedKvCache,
+        owner: CacheOwner,
+        ids: &[SequenceId],
+        rows: &[usize],
+    ) -> Result<(), PagedCacheError> {
+        let device = Device::flex();
+        let mut start = 0;
+        let sequences: Vec<_> = ids
+            .iter()
+            .zip(rows)
+            .map(|(&id, &count)| {
+                start += count;
+                SequenceRows {
+                    id,
+                    rows: start - count..start,
+                }
+            })
+            .collect();
+        let step = cache.begin(owner, &sequences, &device)?;
+        let keys = Tensor::<4>::ones([1, 1, start, 2], &device);
+        cache.store(&step, &keys, &keys);
+        Ok(())
+    }
+
+    #[test]
+    fn blocks_are_taken_per_block_of_positions_and_returned_on_removal() {
+        let owner = owner();
+        let mut cache = PagedKvCacheConfig::new(8).with_block_size(4).init();
+        let (a, b) = (cache.add_sequence(), cache.add_sequence());
+        step(&mut cache, owner, &[a, b], &[5, 1]).unwrap();
+        assert_eq!(cache.blocks_in_use(), 3);
+        assert_eq!(cache.table(a).unwrap().blocks.len(), 2);
+        step(&mut cache, owner, &[a, b], &[3, 3]).unwrap();
+        assert_eq!((cache.len(a), cache.len(b)), (Some(8), Some(4)));
+        assert_eq!(cache.blocks_in_use(), 3);
+        cache.remove_sequence(a).unwrap();
+        assert_eq!(cache.blocks_in_use(), 1);
+        assert_eq!(cache.free_blocks(), 7);
+        assert_eq!(
+            cache.remove_sequence(a),
+            Err(PagedCacheError::UnknownSequence(a))
+        );
+    }
+
+    #[test]
+    fn a_full_pool_refuses_the_whole_step_and_changes_nothing() {
+        let owner = owner();
+        let mut cache = PagedKvCacheConfig::new(3).with_block_size(2).init();
+        let (a, b) = (cache.add_sequence(), cache.add_sequence());
+        step(&mut cache, owner, &[a], &[3]).unwrap();
+        let error = step(&mut cache, owner, &[a, b], &[1, 3]).unwrap_err();
+        assert_eq!(
+            error,
+            PagedCacheError::PoolFull {
+                sequence: b,
+                needed: 2,
+                free: 1
+            }
+        );
+        assert!(error.to_string().contains("sequence 1"), "{error}");
+        assert_eq!((cache.len(a), cache.len(b)), (Some(3), Some(0)));
+        assert_eq!(cache.blocks_in_use(), 2);
+        step(&mut cache, owner, &[a, b], &[1, 1]).unwrap();
+        assert_eq!(cache.free_blocks(), 0);
+    }
+
+    #[test]
+    fn forks_share_blocks_until_a_write_copies_the_partial_one() {
+        let owner = owner();
+        let mut cache = PagedKvCacheConfig::new(16).with_block_size(4).init();
+        let parent = cache.add_sequence();
+        step(&mut cache, owner, &[parent], &[6]).unwrap();
+        let child = cache.fork(parent).unwrap();
+        let prefix = cache.fork_prefix(parent, 4).unwrap();
+        assert_eq!(cache.blocks_in_use(), 2);
+        assert_eq!(cache.len(prefix), Some(4));
+        // The child writes into the shared, partly filled second block: copied first.
+        step(&mut cache, owner, &[child], &[1]).unwrap();
+        assert_eq!(cache.blocks_in_use(), 3);
+        let (parent_blocks, child_blocks) = (
+            cache.table(parent).unwrap().blocks.clone(),
+            cache.table(child).unwrap().blocks.clone(),
+        );
+        assert_eq!(parent_blocks[0], child_blocks[0]);
+        assert_ne!(parent_blocks[1], child_blocks[1]);
+        // The parent's second block is its own again: written in place.
+        step(&mut cache, owner, &[parent], &[1]).unwrap();
+        assert_eq!(cache.table(parent).unwrap().blocks, parent_blocks);
+        // The prefix ends on a block boundary: its next position takes a fresh block.
+        step(&mut cache, owner, &[prefix], &[1]).unwrap();
+        assert_eq!(cache.blocks_in_use(), 4);
+        cache.remove_sequence(parent).unwrap();
+        cache.remove_sequence(child).unwrap();
+        assert_eq!(cache.blocks_in_use(), 2);
+        assert_eq!(
+            cache.fork_prefix(prefix, 9),
+            Err(PagedCacheError::PrefixTooLong {
+                sequence: prefix,
+                prefix: 9,
+                len: 5
+            })
+        );
+    }
+}

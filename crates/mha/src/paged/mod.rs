@@ -1,0 +1,40 @@
+//! Serving many sequences at once: [`PagedKvCache`] keeps the keys and values of any number of
+//! sequences in one bounded pool of fixed-size blocks, with a block table per sequence (vLLM's
+//! PagedAttention, Kwon et al. 2023), and
+//! [`MultiHeadAttention::forward_paged`](crate::MultiHeadAttention::forward_paged) runs one
+//! step for a ragged batch of them: prompts being prefilled beside tokens being decoded, each
+//! at its own position (continuous batching, Orca, Yu et al. 2022).
+//!
+//! - `cache.rs`: the sequences, their block tables, the pool's free blocks and reference counts
+//!   (sharing, copy-on-write), and the checks that refuse a step before it changes anything;
+//! - `store.rs`: the blocks themselves, as tensors (float or int8);
+//! - `step.rs`: the step — projections, RoPE at each row's position, the writes, and the
+//!   attention through tensor ops on any backend;
+//! - `cpu.rs`: the attention read through the block tables in place on flex and ndarray.
+
+mod cache;
+#[cfg(any(feature = "flex", feature = "ndarray"))]
+mod cpu;
+mod step;
+mod store;
+
+pub use cache::{PagedCacheError, PagedKvCache, PagedKvCacheConfig, SequenceId};
+
+/// Without a CPU backend compiled in, every paged step gathers its blocks.
+#[cfg(not(any(feature = "flex", feature = "ndarray")))]
+mod cpu {
+    use burn::tensor::Tensor;
+
+    use super::cache::{PagedKvCache, SequenceStep};
+    use super::step::StepHeads;
+    use crate::module::MultiHeadAttention;
+
+    pub(crate) fn native_paged_attention(
+        _: &MultiHeadAttention,
+        _: &StepHeads,
+        _: &[&SequenceStep],
+        _: &PagedKvCache,
+    ) -> Option<Tensor<4>> {
+        None
+    }
+}

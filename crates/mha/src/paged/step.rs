@@ -1,0 +1,205 @@
+//! [`MultiHeadAttention::forward_paged`]: one causal self-attention step for a ragged batch of
+//! sequences of a [`PagedKvCache`], each row at its own sequence's position.
+
+use burn::tensor::{DType, Tensor};
+
+use super::cache::{PagedCacheError, PagedKvCache, SequenceId, SequenceRows, SequenceStep};
+use crate::input::{AttentionPath, NeedWeights};
+use crate::mask::{Positions, Visibility};
+use crate::module::MultiHeadAttention;
+use crate::shape::check_shape;
+
+/// A step's projected heads: queries `[1, n_heads, rows, head_dim]`, the new keys and values
+/// `[1, n_kv_heads, rows, head_dim]`.
+pub(crate) struct StepHeads {
+    pub query: Tensor<4>,
+    pub key: Tensor<4>,
+    pub value: Tensor<4>,
+}
+
+impl MultiHeadAttention {
+    /// One causal self-attention step for many sequences of `cache` at once (continuous
+    /// batching): row `i` of `input` is a new token of sequence `sequences[i]`, and each
+    /// sequence's rows are consecutive (FlashAttention's varlen layout: a prompt being prefilled
+    /// and the single tokens of sequences being decoded, side by side, not padded). Each
+    /// sequence's new keys and values are appended to its blocks; each new query attends to
+    /// its own sequence only — its stored positions and its new tokens up to itself — with
+    /// RoPE and ALiBi at the sequence's own positions.
+    ///
+    /// Every sequence gets the outputs [`forward_cached`](Self::forward_cached) gives it alone
+    /// with a [`KvCache`](crate::KvCache) of the same storage and `.causal()`.
+    ///
+    /// On flex and ndarray (f32, float storage, no `add_bias_kv`/`add_zero_attn`, outside
+    /// autodiff) a native kernel reads each sequence's keys and values through its block table
+    /// in place. Elsewhere each sequence's blocks are gathered into a contiguous tensor with
+    /// tensor ops and attended to by the kernel [`AttentionPath::Auto`] picks, one sequence at a
+    /// time: the same results, a copy of the cache per step.
+    ///
+    /// # Shapes
+    ///
+    /// - input: `[rows, d_model]`, the step's new tokens (query, key and value)
+    /// - sequences: `rows` ids
+    /// - output: `[rows, d_model]`
+    ///
+    /// # Errors
+    ///
+    /// [`PagedCacheError`] when the pool has too few free blocks for the step, a sequence is
+    /// not in the cache, its storage cannot live on the device, or the cache was filled by
+    /// another module; the cache is then unchanged.
+    ///
+    /// # Panics
+    ///
+    /// If `input` is not `[rows, d_model]` with `rows > 0`, `sequences` does not name one
+    /// sequence per row or names a sequence in two separate runs of rows, or the module's key
+    /// or value inputs are not `d_model` wide (self-attention only).
+    pub fn forward_paged(
+        &self,
+        input: Tensor<2>,
+        cache: &mut PagedKvCache,
+        sequences: &[SequenceId],
+    ) -> Result<Tensor<2>, PagedCacheError> {
+        let [rows, d_model] = input.dims();
+        check_shape(
+            "input",
+            input.dims(),
+            [("rows", None), ("d_model", Some(self.d_model))],
+        );
+        assert!(
+            rows > 0,
+            "MultiHeadAttention::forward_paged: `input` has no rows"
+        );
+        assert!(
+            self.d_key_input == d_model && self.d_value_input == d_model,
+            "MultiHeadAttention::forward_paged: self-attention only, but the module's key and \
+             value inputs are {} and {} wide, not d_model {d_model}",
+            self.d_key_input,
+            self.d_value_input
+        );
+        assert!(
+            sequences.len() == rows,
+            "MultiHeadAttention::forward_paged: `sequences` names {} sequences for {rows} rows \
+             of `input`; give one per row",
+            sequences.len()
+        );
+        let runs = sequence_rows(sequences);
+        let device = input.device();
+        let step = cache.begin(self.cache_owner(), &runs, &device)?;
+        let positions: Vec<usize> = step
+            .sequences
+            .iter()
+            .flat_map(|sequence| sequence.past..sequence.past + sequence.rows.len())
+            .collect();
+        let (query, key, value) = self.project_at(input.reshape([1, rows, d_model]), &positions);
+        cache.store(&step, &key, &value);
+        let heads = StepHeads { query, key, value };
+        let in_place: Vec<&SequenceStep> = step
+            .sequences
+            .iter()
+            .filter(|sequence| sequence.rows.len() <= IN_PLACE_ROWS)
+            .collect();
+        let native = if in_place.is_empty() {
+            None
+        } else {
+            super::cpu::native_paged_attention(self, &heads, &in_place, cache)
+        };
+        if let Some(native) = &native
+            && in_place.len() == step.sequences.len()
+        {
+            let context = native.clone();
+            return Ok(self.output_projection(context).reshape([rows, d_model]));
+        }
+        let contexts = step
+            .sequences
+            .iter()
+            .map(|sequence| match &native {
+                Some(native) if sequence.rows.len() <= IN_PLACE_ROWS => {
+                    let rows = &sequence.rows;
+                    native.clone().narrow(2, rows.start, rows.len())
+                }
+                _ => self.gathered_attention(&heads, sequence, cache),
+            })
+            .collect();
+        let context = Tensor::cat(contexts, 2);
+        Ok(self.output_projection(context).reshape([rows, d_model]))
+    }
+
+    /// One sequence's context heads `[1, n_heads, new, head_dim]`: its stored keys and values
+    /// gathered from its blocks into one tensor, then the kernel `Auto` picks.
+    fn gathered_attention(
+        &self,
+        heads: &StepHeads,
+        sequence: &SequenceStep,
+        cache: &PagedKvCache,
+    ) -> Tensor<4> {
+        let StepHeads { query, key, value } = heads;
+        let (start, new) = (sequence.rows.start, sequence.rows.len());
+        let query = query.clone().narrow(2, start, new);
+        let mut new_key = key.clone().narrow(2, start, new);
+        let mut new_value = value.clone().narrow(2, start, new);
+        if sequence.past > 0 {
+            let (key_blocks, value_blocks) = cache.stores().expect("the step stored its keys");
+            let dtype: DType = key.dtype();
+            let past_key = key_blocks.gather(&sequence.table, sequence.past, dtype);
+            let past_value = value_blocks.gather(&sequence.table, sequence.past, dtype);
+            new_key = Tensor::cat(vec![past_key, new_key], 2);
+            new_value = Tensor::cat(vec![past_value, new_value], 2);
+        }
+        let (key, value) = self.append_extra_positions(new_key, new_value);
+        let visibility = Visibility {
+            causal: true,
+            window: self.window,
+            alibi: self.alibi,
+            positions: Positions {
+                query: sequence.past as i64,
+                key: 0,
+            },
+            extra_keys: self.extra_keys(),
+            ..Visibility::nothing_hidden()
+        };
+        let geometry = self.geometry(1, new, sequence.past + new);
+        let plan = self.plan(
+            visibility,
+            geometry,
+            AttentionPath::Auto,
+            NeedWeights::No,
+            &query.device(),
+        );
+        self.attention_heads(query, key, value, &plan).0
+    }
+}
+
+/// Sequences with at most this many rows in a step (decoding steps, short continuations) are
+/// read through their block tables in place where the native kernel runs; longer ones (a
+/// prompt being prefilled) are gathered and go to the GEMM-based kernels.
+///
+/// Why: a decoding row is bound by reading its cache, which the in-place kernel reads once;
+/// a prompt's rows each read every key again, which the flash kernel's matrix products do
+/// tile by tile, far faster than the in-place kernel's dot products.
+const IN_PLACE_ROWS: usize = 16;
+
+/// `sequences` (one id per row) as runs of consecutive rows, one per sequence.
+///
+/// # Panics
+///
+/// If a sequence's rows are not consecutive.
+fn sequence_rows(sequences: &[SequenceId]) -> Vec<SequenceRows> {
+    let mut runs: Vec<SequenceRows> = Vec::new();
+    for (row, &id) in sequences.iter().enumerate() {
+        match runs.last_mut() {
+            Some(run) if run.id == id => run.rows.end = row + 1,
+            _ => {
+                assert!(
+                    runs.iter().all(|run| run.id != id),
+                    "MultiHeadAttention::forward_paged: the rows of {id} in `sequences` are not \
+                     consecutive (row {row} follows another sequence's); give each sequence's \
+                     new tokens side by side"
+                );
+                runs.push(SequenceRows {
+                    id,
+                    rows: row..row + 1,
+                });
+            }
+        }
+    }
+    runs
+}

@@ -1,0 +1,315 @@
+//! The block pool of one of a [`PagedKvCache`](super::PagedKvCache)'s two sides: values
+//! `[blocks, heads, block_size, dim]`, keys feature-major `[blocks, heads, dim, block_size]`
+//! ([`BlockLayout`]), in floats or in int8 with a scale per position and head (as
+//! [`CacheStorage::Int8`]).
+
+use burn::tensor::{DType, Device, Int, Tensor, TensorData};
+
+use super::cache::{BlockTable, PagedKvCacheConfig};
+use crate::cache::{CacheStorage, Quantized, dequantize_int8, quantize_int8};
+
+/// How a block lays out its positions and features.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum BlockLayout {
+    /// `[blocks, heads, block_size, dim]`: each position's features side by side (values,
+    /// which a query sums row by row).
+    PositionMajor,
+    /// `[blocks, heads, dim, block_size]`: each feature's positions side by side (keys), so
+    /// that a query's scores over a block are `dim` vector products with no horizontal sums
+    /// (vLLM's key cache is feature-major within a block likewise).
+    FeatureMajor,
+}
+
+impl BlockLayout {
+    /// The axis along which a block's positions run.
+    fn position_axis(self) -> usize {
+        match self {
+            Self::PositionMajor => 2,
+            Self::FeatureMajor => 3,
+        }
+    }
+}
+
+/// One side's blocks.
+#[derive(Debug, Clone)]
+pub(crate) struct BlockStore {
+    data: BlockData,
+    layout: BlockLayout,
+}
+
+/// A store's tensors, in its [`BlockLayout`].
+#[derive(Debug, Clone)]
+// The int8 variant holds two tensors; two stores live in a cache, never in bulk.
+#[allow(clippy::large_enum_variant)]
+enum BlockData {
+    /// In the module's float type.
+    Float { blocks: Tensor<4> },
+    /// i8 values and their scales (one per position and head: a feature axis of 1).
+    Int8 {
+        values: Tensor<4, Int>,
+        scales: Tensor<4>,
+    },
+}
+
+impl BlockStore {
+    /// One block of zeros for `heads` heads of `dim` features, stored as `config` says.
+    pub fn new(
+        config: PagedKvCacheConfig,
+        layout: BlockLayout,
+        (heads, dim): (usize, usize),
+        (device, dtype): (&Device, DType),
+    ) -> Self {
+        let rows = Tensor::zeros([1, heads, config.block_size, dim], (device, dtype));
+        let data = match config.storage {
+            CacheStorage::Float => BlockData::Float {
+                blocks: laid_out(rows, layout),
+            },
+            CacheStorage::Int8 => {
+                let Quantized { values, scales } = quantize_int8(rows.cast(DType::F32));
+                BlockData::Int8 {
+                    values: laid_out(values, layout),
+                    scales: laid_out(scales, layout),
+                }
+            }
+        };
+        Self { data, layout }
+    }
+
+    /// How the blocks are laid out.
+    pub fn layout(&self) -> BlockLayout {
+        self.layout
+    }
+
+    /// The blocks allocated.
+    pub fn blocks(&self) -> usize {
+        match &self.data {
+            BlockData::Float { blocks } => blocks.dims()[0],
+            BlockData::Int8 { scales, .. } => scales.dims()[0],
+        }
+    }
+
+    /// Bytes one block takes.
+    pub fn block_bytes(&self) -> usize {
+        let bytes =
+            |dims: [usize; 4], dtype: DType| dims[1..].iter().product::<usize>() * dtype.size();
+        match &self.data {
+            BlockData::Float { blocks } => bytes(blocks.dims(), blocks.dtype()),
+            BlockData::Int8 { values, scales } => {
+                bytes(values.dims(), values.dtype()) + bytes(scales.dims(), scales.dtype())
+            }
+        }
+    }
+
+    /// The float blocks in their layout, for the native kernel; `None` for int8.
+    pub fn float_blocks(&self) -> Option<&Tensor<4>> {
+        match &self.data {
+            BlockData::Float { blocks } => Some(blocks),
+            BlockData::Int8 { .. } => None,
+        }
+    }
+
+    /// The pool grown to `blocks` blocks (new ones zero); never shrunk.
+    pub fn grown(self, blocks: usize) -> Self {
+        let extra = blocks.saturating_sub(self.blocks());
+        if extra == 0 {
+            return self;
+        }
+        let data = match self.data {
+            BlockData::Float { blocks } => BlockData::Float {
+                blocks: blocks.with_zeros(extra),
+            },
+            BlockData::Int8 { values, scales } => BlockData::Int8 {
+                values: values.with_zeros(extra),
+                scales: scales.with_zeros(extra),
+            },
+        };
+        Self { data, ..self }
+    }
+
+    /// The pool with block `from` copied into block `to`.
+    pub fn with_block_copied(self, from: usize, to: usize) -> Self {
+        fn copied<T: BlockTensor>(tensor: T, from: usize, to: usize) -> T {
+            // The block is made a tensor of its own first, so that the pool is held once when
+            // it is assigned (in place on flex) rather than through a view of itself.
+            let block = tensor.block(from).materialized();
+            tensor.with_block(to, [0, 0], block)
+        }
+        let data = match self.data {
+            BlockData::Float { blocks } => BlockData::Float {
+                blocks: copied(blocks, from, to),
+            },
+            BlockData::Int8 { values, scales } => BlockData::Int8 {
+                values: copied(values, from, to),
+                scales: copied(scales, from, to),
+            },
+        };
+        Self { data, ..self }
+    }
+
+    /// The pool with `rows` (`[1, heads, n, dim]`) written at positions `past..past + n` of
+    /// `table`.
+    pub fn written(self, table: &BlockTable, past: usize, rows: Tensor<4>) -> Self {
+        let layout = self.layout;
+        let data = match self.data {
+            BlockData::Float { blocks } => BlockData::Float {
+                blocks: write_rows(blocks, layout, table, past, laid_out(rows, layout)),
+            },
+            BlockData::Int8 { values, scales } => {
+                let Quantized {
+                    values: new_values,
+                    scales: new_scales,
+                } = quantize_int8(rows);
+                BlockData::Int8 {
+                    values: write_rows(values, layout, table, past, laid_out(new_values, layout)),
+                    scales: write_rows(scales, layout, table, past, laid_out(new_scales, layout)),
+                }
+            }
+        };
+        Self { data, layout }
+    }
+
+    /// The first `len` positions of `table` as `[1, heads, len, dim]` floats of `dtype`: one
+    /// gather of the sequence's blocks into a contiguous tensor (the generic path).
+    pub fn gather(&self, table: &BlockTable, len: usize, dtype: DType) -> Tensor<4> {
+        let layout = self.layout;
+        match &self.data {
+            BlockData::Float { blocks } => gathered(blocks, layout, table, len),
+            BlockData::Int8 { values, scales } => dequantize_int8(
+                gathered(values, layout, table, len),
+                gathered(scales, layout, table, len),
+                dtype,
+            ),
+        }
+    }
+}
+
+/// Position-major rows or blocks (`[n, heads, positions, dim]`) in `layout`.
+fn laid_out<T: BlockTensor>(rows: T, layout: BlockLayout) -> T {
+    match layout {
+        BlockLayout::PositionMajor => rows,
+        BlockLayout::FeatureMajor => rows.swapped_last(),
+    }
+}
+
+/// What [`BlockStore`] does to its float and int tensors alike. The pool is taken by value
+/// and given back: assigning into a tensor held once writes in place (flex), where a clone
+/// still alive would make the backend copy the whole pool.
+trait BlockTensor: Clone + Sized {
+    fn dims(&self) -> [usize; 4];
+    fn device(&self) -> Device;
+    fn block(&self, block: usize) -> Self;
+    fn materialized(self) -> Self;
+    /// `part` assigned into block `block` from offsets `[axis 2, axis 3]`.
+    fn with_block(self, block: usize, offsets: [usize; 2], part: Self) -> Self;
+    fn with_zeros(self, extra: usize) -> Self;
+    fn select_blocks(&self, blocks: Tensor<1, Int>) -> Self;
+    fn reshaped(self, shape: [usize; 4]) -> Self;
+    fn swapped_first(self) -> Self;
+    fn swapped_last(self) -> Self;
+    fn narrowed(self, axis: usize, start: usize, len: usize) -> Self;
+}
+
+macro_rules! block_tensor {
+    ($tensor:ty, $materialize:expr) => {
+        impl BlockTensor for $tensor {
+            fn dims(&self) -> [usize; 4] {
+                Tensor::dims(self)
+            }
+            fn device(&self) -> Device {
+                Tensor::device(self)
+            }
+            fn block(&self, block: usize) -> Self {
+                self.clone().narrow(0, block, 1)
+            }
+            fn materialized(self) -> Self {
+                $materialize(self)
+            }
+            fn with_block(self, block: usize, offsets: [usize; 2], part: Self) -> Self {
+                let [_, heads, rows, columns] = Tensor::dims(&part);
+                let [row, column] = offsets;
+                self.slice_assign(
+                    [
+                        block..block + 1,
+                        0..heads,
+                        row..row + rows,
+                        column..column + columns,
+                    ],
+                    part,
+                )
+            }
+            fn with_zeros(self, extra: usize) -> Self {
+                let [_, heads, rows, columns] = Tensor::dims(&self);
+                let zeros = <$tensor>::zeros(
+                    [extra, heads, rows, columns],
+                    (&Tensor::device(&self), self.dtype()),
+                );
+                Tensor::cat(vec![self, zeros], 0)
+            }
+            fn select_blocks(&self, blocks: Tensor<1, Int>) -> Self {
+                self.clone().select(0, blocks)
+            }
+            fn reshaped(self, shape: [usize; 4]) -> Self {
+                self.reshape(shape)
+            }
+            fn swapped_first(self) -> Self {
+                self.swap_dims(0, 1)
+            }
+            fn swapped_last(self) -> Self {
+                self.swap_dims(2, 3)
+            }
+            fn narrowed(self, axis: usize, start: usize, len: usize) -> Self {
+                self.narrow(axis, start, len)
+            }
+        }
+    };
+}
+
+block_tensor!(Tensor<4>, |tensor: Tensor<4>| tensor.add_scalar(0.0));
+block_tensor!(Tensor<4, Int>, |tensor: Tensor<4, Int>| tensor.add_scalar(0));
+
+/// `pool` with `rows` (`[1, heads, n, dim]` laid out as `layout`) written at positions
+/// `past..past + n` of `table`, one assignment per block they touch.
+fn write_rows<T: BlockTensor>(
+    mut pool: T,
+    layout: BlockLayout,
+    table: &BlockTable,
+    past: usize,
+    rows: T,
+) -> T {
+    let axis = layout.position_axis();
+    let block_size = pool.dims()[axis];
+    let count = rows.dims()[axis];
+    let mut written = 0;
+    while written < count {
+        let position = past + written;
+        let offset = position % block_size;
+        let chunk = (block_size - offset).min(count - written);
+        let block = table.blocks[position / block_size];
+        let part = if chunk == count {
+            rows.clone()
+        } else {
+            rows.clone().narrowed(axis, written, chunk)
+        };
+        let offsets = match layout {
+            BlockLayout::PositionMajor => [offset, 0],
+            BlockLayout::FeatureMajor => [0, offset],
+        };
+        pool = pool.with_block(block, offsets, part);
+        written += chunk;
+    }
+    pool
+}
+
+/// The first `len` positions of `table` in `pool`, `[1, heads, len, dim]` whatever the layout.
+fn gathered<T: BlockTensor>(pool: &T, layout: BlockLayout, table: &BlockTable, len: usize) -> T {
+    let block_size = pool.dims()[layout.position_axis()];
+    let used = len.div_ceil(block_size);
+    let indices: Vec<i64> = table.blocks[..used].iter().map(|&b| b as i64).collect();
+    let indices = Tensor::<1, Int>::from_data(TensorData::new(indices, [used]), &pool.device());
+    let blocks = laid_out(pool.select_blocks(indices), layout);
+    let [_, heads, _, dim] = blocks.dims();
+    blocks
+        .swapped_first()
+        .reshaped([1, heads, used * block_size, dim])
+        .narrowed(2, 0, len)
+}

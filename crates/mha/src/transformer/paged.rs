@@ -1,0 +1,208 @@
+//! Continuous batching through a causal [`TransformerEncoder`] (a decoder-only model): one
+//! [`PagedKvCache`] per layer, the same sequences in each.
+
+use burn::tensor::Tensor;
+
+use super::encoder::{TransformerEncoder, TransformerEncoderLayer};
+use super::residual;
+use crate::{PagedCacheError, PagedKvCache, PagedKvCacheConfig, SequenceId};
+
+/// One [`PagedKvCache`] per layer of a causal [`TransformerEncoder`], holding the same
+/// sequences with the same block tables, for
+/// [`TransformerEncoder::forward_paged`]. Made by
+/// [`TransformerEncoder::new_paged_cache`].
+#[derive(Debug, Clone)]
+pub struct PagedTransformerCache {
+    layers: Vec<PagedKvCache>,
+}
+
+impl PagedTransformerCache {
+    /// A new, empty sequence in every layer.
+    pub fn add_sequence(&mut self) -> SequenceId {
+        self.each(|cache| Ok(cache.add_sequence()))
+            .expect("adding a sequence is never refused")
+    }
+
+    /// Removes a sequence from every layer; its blocks are free at once.
+    ///
+    /// # Errors
+    ///
+    /// [`PagedCacheError::UnknownSequence`] if `id` is not a sequence of the cache.
+    pub fn remove_sequence(&mut self, id: SequenceId) -> Result<(), PagedCacheError> {
+        self.each(|cache| cache.remove_sequence(id))
+    }
+
+    /// A new sequence sharing every block of `id` ([`PagedKvCache::fork`]) in every layer.
+    ///
+    /// # Errors
+    ///
+    /// As [`PagedKvCache::fork`].
+    pub fn fork(&mut self, id: SequenceId) -> Result<SequenceId, PagedCacheError> {
+        self.each(|cache| cache.fork(id))
+    }
+
+    /// A new sequence holding the first `prefix` positions of `id`
+    /// ([`PagedKvCache::fork_prefix`]) in every layer.
+    ///
+    /// # Errors
+    ///
+    /// As [`PagedKvCache::fork_prefix`].
+    pub fn fork_prefix(
+        &mut self,
+        id: SequenceId,
+        prefix: usize,
+    ) -> Result<SequenceId, PagedCacheError> {
+        self.each(|cache| cache.fork_prefix(id, prefix))
+    }
+
+    /// Positions `id` holds, or `None` if it is not a sequence of the cache.
+    pub fn len(&self, id: SequenceId) -> Option<usize> {
+        self.layers[0].len(id)
+    }
+
+    /// Whether the cache has no sequence.
+    pub fn is_empty(&self) -> bool {
+        self.layers[0].is_empty()
+    }
+
+    /// Blocks a step may still take, in each layer.
+    pub fn free_blocks(&self) -> usize {
+        self.layers[0].free_blocks()
+    }
+
+    /// Bytes of the blocks in use, all layers together.
+    pub fn bytes_in_use(&self) -> usize {
+        self.layers.iter().map(PagedKvCache::bytes_in_use).sum()
+    }
+
+    /// Bytes the pools have allocated, all layers together.
+    pub fn reserved_bytes(&self) -> usize {
+        self.layers.iter().map(PagedKvCache::reserved_bytes).sum()
+    }
+
+    /// Layer `i`'s cache.
+    pub fn layers(&self) -> &[PagedKvCache] {
+        &self.layers
+    }
+
+    /// `operation` on every layer's cache; they hold the same sequences, so it succeeds on all
+    /// or fails on the first, before any changed.
+    fn each<T: PartialEq + core::fmt::Debug>(
+        &mut self,
+        mut operation: impl FnMut(&mut PagedKvCache) -> Result<T, PagedCacheError>,
+    ) -> Result<T, PagedCacheError> {
+        let mut result = None;
+        for cache in &mut self.layers {
+            let value = operation(cache)?;
+            if let Some(first) = &result {
+                assert_eq!(first, &value, "the layers' caches hold the same sequences");
+            }
+            result = Some(value);
+        }
+        Ok(result.expect("a stack has layers"))
+    }
+}
+
+impl TransformerEncoderLayer {
+    /// [`forward_cached`](Self::forward_cached) for a ragged batch of sequences:
+    /// [`MultiHeadAttention::forward_paged`](crate::MultiHeadAttention::forward_paged) for the
+    /// attention, the rest row by row.
+    ///
+    /// # Shapes
+    ///
+    /// - x: `[rows, d_model]`
+    /// - output: `[rows, d_model]`
+    ///
+    /// # Errors
+    ///
+    /// As [`MultiHeadAttention::forward_paged`](crate::MultiHeadAttention::forward_paged).
+    ///
+    /// # Panics
+    ///
+    /// As [`MultiHeadAttention::forward_paged`](crate::MultiHeadAttention::forward_paged).
+    pub fn forward_paged(
+        &self,
+        x: Tensor<2>,
+        cache: &mut PagedKvCache,
+        sequences: &[SequenceId],
+    ) -> Result<Tensor<2>, PagedCacheError> {
+        let [rows, d_model] = x.dims();
+        let mut result = Ok(());
+        let x = residual(
+            x.reshape([1, rows, d_model]),
+            &self.attention_norm,
+            &self.dropout,
+            self.norm_first,
+            |x| {
+                let attended = self.attention.forward_paged(
+                    x.clone().reshape([rows, d_model]),
+                    cache,
+                    sequences,
+                );
+                match attended {
+                    Ok(output) => output.reshape([1, rows, d_model]),
+                    Err(error) => {
+                        result = Err(error);
+                        x.zeros_like()
+                    }
+                }
+            },
+        );
+        result.map(|()| self.feed_forward_sublayer(x).reshape([rows, d_model]))
+    }
+}
+
+impl TransformerEncoder {
+    /// An empty paged cache for [`forward_paged`](Self::forward_paged): a pool of `config` per
+    /// layer.
+    pub fn new_paged_cache(&self, config: PagedKvCacheConfig) -> PagedTransformerCache {
+        PagedTransformerCache {
+            layers: self.layers.iter().map(|_| config.init()).collect(),
+        }
+    }
+
+    /// One step of continuous batching through the causal stack: row `i` of `input` is a new
+    /// position of `sequences[i]` (each sequence's rows consecutive), and every sequence gets
+    /// what [`forward_cached`](Self::forward_cached) gives it alone. Every layer's cache holds
+    /// the same sequences, so a step is refused by the first layer or not at all, and a refused
+    /// step leaves the cache as it was.
+    ///
+    /// # Shapes
+    ///
+    /// - input: `[rows, d_model]`
+    /// - output: `[rows, d_model]`
+    ///
+    /// # Errors
+    ///
+    /// As [`MultiHeadAttention::forward_paged`](crate::MultiHeadAttention::forward_paged).
+    ///
+    /// # Panics
+    ///
+    /// If the layers are not causal, or `cache` has another number of layers; as
+    /// [`MultiHeadAttention::forward_paged`](crate::MultiHeadAttention::forward_paged).
+    pub fn forward_paged(
+        &self,
+        input: Tensor<2>,
+        cache: &mut PagedTransformerCache,
+        sequences: &[SequenceId],
+    ) -> Result<Tensor<2>, PagedCacheError> {
+        assert!(
+            self.layers.iter().all(|layer| layer.causal),
+            "TransformerEncoder::forward_paged: decoding needs a causal stack \
+             (TransformerEncoderConfig::causal)"
+        );
+        assert_eq!(
+            cache.layers.len(),
+            self.layers.len(),
+            "TransformerEncoder::forward_paged: `cache` has {} layers, the stack {} (make it \
+             with `new_paged_cache`)",
+            cache.layers.len(),
+            self.layers.len()
+        );
+        let mut x = input;
+        for (layer, layer_cache) in self.layers.iter().zip(&mut cache.layers) {
+            x = layer.forward_paged(x, layer_cache, sequences)?;
+        }
+        Ok(x)
+    }
+}

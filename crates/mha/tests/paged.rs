@@ -1,0 +1,538 @@
+//! The paged KV cache: every sequence of a ragged step gets what decoding it alone with a
+//! `KvCache` gives it, whatever joins, leaves, forks or shares a prefix around it; a full pool
+//! refuses a step and loses nothing; memory stays within one block per sequence.
+
+mod common;
+
+use std::collections::BTreeMap;
+
+use burn::tensor::{DType, Device, Tensor};
+use common::{assert_close, panic_message, randn, test_devices, tolerance};
+use mha::{
+    CacheStorage, KvCache, MhaInput, MultiHeadAttention, MultiHeadAttentionConfig, PagedCacheError,
+    PagedKvCache, PagedKvCacheConfig, RopeConfig, RopeLayout, SequenceId,
+};
+
+const D_MODEL: usize = 16;
+
+fn configs() -> Vec<(&'static str, MultiHeadAttentionConfig)> {
+    let base = MultiHeadAttentionConfig::new(D_MODEL, 4);
+    vec![
+        (
+            "gqa+rope",
+            base.clone()
+                .with_n_kv_heads(Some(2))
+                .with_rope(Some(RopeConfig::new())),
+        ),
+        ("mha", base.clone()),
+        (
+            "mqa+rope-half",
+            base.clone()
+                .with_n_kv_heads(Some(1))
+                .with_rope(Some(RopeConfig::new().with_layout(RopeLayout::HalfSplit))),
+        ),
+        (
+            "gqa+alibi",
+            base.clone().with_n_kv_heads(Some(2)).with_alibi(true),
+        ),
+        (
+            "gqa+window+softcap+sinks",
+            base.clone()
+                .with_n_kv_heads(Some(2))
+                .with_window(Some(3))
+                .with_softcap(Some(2.0))
+                .with_attention_sinks(true),
+        ),
+        ("quiet", base.clone().with_quiet_softmax(true)),
+        (
+            "bias_kv+zero_attn",
+            base.with_add_bias_kv(true).with_add_zero_attn(true),
+        ),
+    ]
+}
+
+/// The storages `device` holds: int8 where it has i8 tensors (lavapipe's wgpu has none).
+fn storages(device: &Device) -> Vec<CacheStorage> {
+    if device.supports_dtype(DType::I8) {
+        vec![CacheStorage::Float, CacheStorage::Int8]
+    } else {
+        vec![CacheStorage::Float]
+    }
+}
+
+/// A paged cache and, per sequence, the `KvCache` that decodes it alone: each step is checked
+/// against the reference, row by row.
+struct Harness<'a> {
+    module: &'a MultiHeadAttention,
+    device: &'a Device,
+    paged: PagedKvCache,
+    alone: BTreeMap<SequenceId, KvCache>,
+    /// Each sequence's tokens so far, `[len, d_model]` pieces.
+    tokens: BTreeMap<SequenceId, Vec<Tensor<2>>>,
+    storage: CacheStorage,
+    label: String,
+    tolerance: f32,
+}
+
+impl<'a> Harness<'a> {
+    fn new(
+        module: &'a MultiHeadAttention,
+        device: &'a Device,
+        config: PagedKvCacheConfig,
+        label: String,
+        tolerance: f32,
+    ) -> Self {
+        Self {
+            module,
+            device,
+            paged: config.init(),
+            alone: BTreeMap::new(),
+            tokens: BTreeMap::new(),
+            storage: config.storage,
+            label,
+            tolerance,
+        }
+    }
+
+    fn add(&mut self) -> SequenceId {
+        let id = self.paged.add_sequence();
+        self.alone
+            .insert(id, KvCache::new().with_storage(self.storage));
+        self.tokens.insert(id, Vec::new());
+        id
+    }
+
+    fn fork(&mut self, parent: SequenceId) -> SequenceId {
+        let id = self.paged.fork(parent).unwrap();
+        let cache = self.alone[&parent].clone();
+        self.alone.insert(id, cache);
+        let tokens = self.tokens[&parent].clone();
+        self.tokens.insert(id, tokens);
+        id
+    }
+
+    /// A fork of `parent`'s first `prefix` positions, whose reference decodes them again.
+    fn fork_prefix(&mut self, parent: SequenceId, prefix: usize) -> SequenceId {
+        let id = self.paged.fork_prefix(parent, prefix).unwrap();
+        let tokens = Tensor::cat(self.tokens[&parent].clone(), 0).narrow(0, 0, prefix);
+        let mut alone = KvCache::new().with_storage(self.storage);
+        self.module
+            .forward_cached(
+                MhaInput::self_attn(tokens.clone().reshape([1, prefix, D_MODEL])).causal(),
+                &mut alone,
+            )
+            .unwrap();
+        self.alone.insert(id, alone);
+        self.tokens.insert(id, vec![tokens]);
+        id
+    }
+
+    fn remove(&mut self, id: SequenceId) {
+        self.paged.remove_sequence(id).unwrap();
+        self.alone.remove(&id);
+        self.tokens.remove(&id);
+    }
+
+    /// One paged step of `rows` new tokens for each sequence, checked against each sequence
+    /// decoded alone.
+    fn step(&mut self, rows: &[(SequenceId, usize)]) {
+        let total = rows.iter().map(|(_, n)| n).sum();
+        let x = randn([total, D_MODEL], self.device);
+        let ids: Vec<SequenceId> = rows
+            .iter()
+            .flat_map(|&(id, n)| std::iter::repeat_n(id, n))
+            .collect();
+        let output = self
+            .module
+            .forward_paged(x.clone(), &mut self.paged, &ids)
+            .unwrap();
+        let mut start = 0;
+        for &(id, n) in rows {
+            let alone = self.alone.get_mut(&id).unwrap();
+            let own = x.clone().narrow(0, start, n);
+            self.tokens.get_mut(&id).unwrap().push(own.clone());
+            let tokens = own.reshape([1, n, D_MODEL]);
+            let expected = self
+                .module
+                .forward_cached(MhaInput::self_attn(tokens).causal(), alone)
+                .unwrap()
+                .context
+                .reshape([n, D_MODEL]);
+            assert_close(
+                &format!("{}: {id} rows {start}..{}", self.label, start + n),
+                output.clone().narrow(0, start, n),
+                expected,
+                self.tolerance,
+            );
+            assert_eq!(self.paged.len(id), Some(alone.len()), "{}", self.label);
+            start += n;
+        }
+    }
+}
+
+/// Sequences join, leave and fork around each other, prompts are prefilled beside decoding
+/// steps, and blocks of 4 positions make every sequence span several of them.
+fn continuous_batching(harness: &mut Harness) {
+    let (a, b) = (harness.add(), harness.add());
+    harness.step(&[(a, 5), (b, 1)]);
+    let c = harness.add();
+    harness.step(&[(a, 1), (b, 1), (c, 3)]);
+    harness.step(&[(c, 2), (a, 1)]);
+    harness.remove(b);
+    // `a` holds 7 positions: its second block is shared and partly filled, copied on write.
+    let fork = harness.fork(a);
+    let d = harness.add();
+    harness.step(&[(a, 1), (fork, 1), (d, 6), (c, 1)]);
+    harness.step(&[(fork, 2), (a, 1), (d, 1)]);
+    // A prompt longer than a decoding step goes to the gathered path beside the others.
+    let e = harness.add();
+    harness.step(&[(a, 1), (e, 20), (fork, 1)]);
+    harness.step(&[(e, 1), (d, 17)]);
+}
+
+#[test]
+fn every_sequence_of_a_ragged_step_equals_decoding_it_alone() {
+    for (name, device) in test_devices() {
+        let _seed = common::seed(&device, 31);
+        // lavapipe compiles shaders for every new shape: two configurations there.
+        let configs = match name {
+            "wgpu" => configs().into_iter().take(2).collect(),
+            _ => configs(),
+        };
+        for (label, config) in configs {
+            let module = config.init(&device);
+            for storage in storages(&device) {
+                let paged = PagedKvCacheConfig::new(64)
+                    .with_block_size(4)
+                    .with_storage(storage);
+                let label = format!("{name} {label} {storage:?}");
+                let mut harness = Harness::new(&module, &device, paged, label, tolerance(name));
+                continuous_batching(&mut harness);
+            }
+        }
+    }
+}
+
+#[test]
+fn autodiff_devices_take_the_gathered_path_with_the_same_results() {
+    let device = Device::flex().autodiff();
+    let _seed = common::seed(&device, 32);
+    for (label, config) in configs().into_iter().take(5) {
+        let module = config.init(&device);
+        let paged = PagedKvCacheConfig::new(64).with_block_size(4);
+        let label = format!("flex autodiff {label}");
+        let mut harness = Harness::new(&module, &device, paged, label, 1e-5);
+        continuous_batching(&mut harness);
+    }
+}
+
+#[test]
+fn a_shared_prompt_is_stored_once_and_each_continuation_equals_decoding_it_alone() {
+    let device = Device::flex();
+    let _seed = common::seed(&device, 33);
+    let module = MultiHeadAttentionConfig::new(D_MODEL, 4)
+        .with_n_kv_heads(Some(2))
+        .with_rope(Some(RopeConfig::new()))
+        .init(&device);
+    for storage in [CacheStorage::Float, CacheStorage::Int8] {
+        let mut harness = Harness::new(
+            &module,
+            &device,
+            PagedKvCacheConfig::new(64)
+                .with_block_size(4)
+                .with_storage(storage),
+            format!("shared prompt {storage:?}"),
+            1e-5,
+        );
+        let prompt = harness.add();
+        harness.step(&[(prompt, 10)]);
+        assert_eq!(harness.paged.blocks_in_use(), 3);
+        // Four requests continue the prompt's first 8 positions (two whole blocks), two
+        // continue all 10 (sharing the partly filled third block until each writes into it).
+        let prefixed: Vec<SequenceId> = (0..4).map(|_| harness.fork_prefix(prompt, 8)).collect();
+        let forks: Vec<SequenceId> = (0..2).map(|_| harness.fork(prompt)).collect();
+        assert_eq!(harness.paged.blocks_in_use(), 3, "forks share every block");
+        let mut rows: Vec<(SequenceId, usize)> = prefixed.iter().map(|&id| (id, 1)).collect();
+        rows.extend([(forks[0], 1), (forks[1], 2)]);
+        harness.step(&rows);
+        // A new block per prefixed request (its prefix ends on a block boundary), a copy of
+        // the third block per fork; the prompt's own blocks are as they were.
+        assert_eq!(harness.paged.blocks_in_use(), 3 + 4 + 2);
+        harness.step(&[(prompt, 1), (forks[0], 3), (prefixed[2], 2)]);
+    }
+}
+
+#[test]
+fn a_prefix_fork_equals_decoding_the_prefix_then_its_own_tokens() {
+    let device = Device::flex();
+    let _seed = common::seed(&device, 34);
+    let module = MultiHeadAttentionConfig::new(D_MODEL, 4)
+        .with_rope(Some(RopeConfig::new()))
+        .with_alibi(false)
+        .init(&device);
+    let mut paged = PagedKvCacheConfig::new(32).with_block_size(4).init();
+    let prompt = paged.add_sequence();
+    let tokens = randn([10, D_MODEL], &device);
+    module
+        .forward_paged(tokens.clone(), &mut paged, &[prompt; 10])
+        .unwrap();
+    for prefix in [8, 6] {
+        let fork = paged.fork_prefix(prompt, prefix).unwrap();
+        let own = randn([3, D_MODEL], &device);
+        let output = module
+            .forward_paged(own.clone(), &mut paged, &[fork; 3])
+            .unwrap();
+        let alone = module
+            .forward(
+                MhaInput::self_attn(
+                    Tensor::cat(vec![tokens.clone().narrow(0, 0, prefix), own], 0).reshape([
+                        1,
+                        prefix + 3,
+                        D_MODEL,
+                    ]),
+                )
+                .causal(),
+            )
+            .context
+            .reshape([prefix + 3, D_MODEL])
+            .narrow(0, prefix, 3);
+        assert_close(&format!("prefix {prefix}"), output, alone, 1e-5);
+    }
+    // The prompt's own positions are untouched by its forks' writes.
+    let next = randn([1, D_MODEL], &device);
+    let output = module
+        .forward_paged(next.clone(), &mut paged, &[prompt])
+        .unwrap();
+    let alone = module
+        .forward(
+            MhaInput::self_attn(Tensor::cat(vec![tokens, next], 0).reshape([1, 11, D_MODEL]))
+                .causal(),
+        )
+        .context
+        .reshape([11, D_MODEL])
+        .narrow(0, 10, 1);
+    assert_close("prompt after its forks", output, alone, 1e-5);
+}
+
+#[test]
+fn a_full_pool_refuses_the_step_naming_the_sequence_and_loses_no_state() {
+    let device = Device::flex();
+    let _seed = common::seed(&device, 35);
+    let module = MultiHeadAttentionConfig::new(D_MODEL, 4).init(&device);
+    let mut harness = Harness::new(
+        &module,
+        &device,
+        PagedKvCacheConfig::new(4).with_block_size(4),
+        "full pool".into(),
+        1e-5,
+    );
+    let (a, b) = (harness.add(), harness.add());
+    harness.step(&[(a, 6), (b, 2)]);
+    let x = randn([8, D_MODEL], &device);
+    let mut ids = vec![a];
+    ids.extend([b; 7]);
+    let error = module
+        .forward_paged(x, &mut harness.paged, &ids)
+        .unwrap_err();
+    assert_eq!(
+        error,
+        PagedCacheError::PoolFull {
+            sequence: b,
+            needed: 2,
+            free: 1
+        }
+    );
+    let message = error.to_string();
+    assert!(
+        message.contains("sequence 1") && message.contains("1 are free"),
+        "{message}"
+    );
+    assert_eq!(
+        (harness.paged.len(a), harness.paged.len(b)),
+        (Some(6), Some(2))
+    );
+    // Both sequences go on as if the refused step had never been tried.
+    harness.step(&[(a, 1), (b, 3)]);
+    harness.remove(a);
+    harness.step(&[(b, 8)]);
+}
+
+#[test]
+fn cache_memory_stays_within_one_block_per_sequence_of_what_is_stored() {
+    let device = Device::flex();
+    let _seed = common::seed(&device, 36);
+    let module = MultiHeadAttentionConfig::new(D_MODEL, 4)
+        .with_n_kv_heads(Some(2))
+        .init(&device);
+    for storage in [CacheStorage::Float, CacheStorage::Int8] {
+        let block_size = 16;
+        let mut cache = PagedKvCacheConfig::new(256)
+            .with_block_size(block_size)
+            .with_storage(storage)
+            .init();
+        let lengths = [1, 15, 16, 17, 40, 100];
+        let ids: Vec<SequenceId> = lengths.iter().map(|_| cache.add_sequence()).collect();
+        let rows: Vec<SequenceId> = ids
+            .iter()
+            .zip(lengths)
+            .flat_map(|(&id, n)| std::iter::repeat_n(id, n))
+            .collect();
+        module
+            .forward_paged(randn([rows.len(), D_MODEL], &device), &mut cache, &rows)
+            .unwrap();
+        let blocks: usize = lengths.iter().map(|n| n.div_ceil(block_size)).sum();
+        assert_eq!(cache.blocks_in_use(), blocks, "{storage:?}");
+        // Per block, keys and values: 2 heads × 16 positions × 4 features of 4 bytes, or of
+        // 1 byte and a 4-byte scale per position and head.
+        let element_bytes = match storage {
+            CacheStorage::Float => 2 * (2 * block_size * 4 * 4),
+            CacheStorage::Int8 => 2 * (2 * block_size * 4 + 2 * block_size * 4),
+        };
+        assert_eq!(cache.block_bytes(), element_bytes, "{storage:?}");
+        let stored: usize = lengths.iter().sum();
+        let slack = lengths.len() * cache.block_bytes();
+        assert!(cache.bytes_in_use() < stored / block_size * cache.block_bytes() + slack);
+        for id in ids {
+            cache.remove_sequence(id).unwrap();
+        }
+        assert_eq!(cache.blocks_in_use(), 0);
+        assert_eq!(cache.free_blocks(), 256);
+    }
+}
+
+#[test]
+fn bad_steps_are_refused_clearly_and_leave_the_cache_unchanged() {
+    let device = Device::flex();
+    let module = MultiHeadAttentionConfig::new(D_MODEL, 4).init(&device);
+    let other = MultiHeadAttentionConfig::new(D_MODEL, 4).init(&device);
+    let mut cache = PagedKvCacheConfig::new(8).init();
+    let a = cache.add_sequence();
+    module
+        .forward_paged(randn([2, D_MODEL], &device), &mut cache, &[a, a])
+        .unwrap();
+    let error = other
+        .forward_paged(randn([1, D_MODEL], &device), &mut cache, &[a])
+        .unwrap_err();
+    assert!(
+        matches!(error, PagedCacheError::OtherModule { .. }),
+        "{error}"
+    );
+    let gone = cache.add_sequence();
+    cache.remove_sequence(gone).unwrap();
+    let error = module
+        .forward_paged(randn([2, D_MODEL], &device), &mut cache, &[a, gone])
+        .unwrap_err();
+    assert_eq!(error, PagedCacheError::UnknownSequence(gone));
+    assert_eq!(cache.len(a), Some(2));
+    let b = cache.add_sequence();
+    let interleaved = panic_message(|| {
+        let mut cache = cache.clone();
+        module.forward_paged(randn([3, D_MODEL], &device), &mut cache, &[a, b, a])
+    });
+    assert!(interleaved.contains("not consecutive"), "{interleaved}");
+    let miscounted = panic_message(|| {
+        let mut cache = cache.clone();
+        module.forward_paged(randn([3, D_MODEL], &device), &mut cache, &[a, b])
+    });
+    assert!(miscounted.contains("`sequences`"), "{miscounted}");
+    let narrow = panic_message(|| {
+        let mut cache = cache.clone();
+        module.forward_paged(randn([1, 8], &device), &mut cache, &[a])
+    });
+    assert!(narrow.contains("`input`"), "{narrow}");
+    let int8_on_flex = PagedKvCacheConfig::new(8)
+        .with_storage(CacheStorage::Int8)
+        .init();
+    assert_eq!(int8_on_flex.blocks_in_use(), 0);
+}
+
+#[test]
+fn a_causal_transformer_stack_serves_each_sequence_as_decoding_it_alone() {
+    use mha::transformer::{TransformerEncoderConfig, TransformerEncoderInput};
+    let device = Device::flex();
+    let _seed = common::seed(&device, 37);
+    let stack = TransformerEncoderConfig::new(D_MODEL, 32, 4, 2)
+        .with_causal(true)
+        .with_n_kv_heads(Some(2))
+        .with_rope(Some(RopeConfig::new()))
+        .with_norm_first(true)
+        .with_dropout(0.0)
+        .init(&device);
+    for storage in [CacheStorage::Float, CacheStorage::Int8] {
+        let mut paged = stack.new_paged_cache(
+            PagedKvCacheConfig::new(64)
+                .with_block_size(4)
+                .with_storage(storage),
+        );
+        let mut alone = BTreeMap::new();
+        let mut add = |paged: &mut mha::transformer::PagedTransformerCache| {
+            let id = paged.add_sequence();
+            let mut cache = stack.new_cache();
+            cache
+                .layers
+                .iter_mut()
+                .for_each(|layer| *layer = KvCache::new().with_storage(storage));
+            alone.insert(id, cache);
+            id
+        };
+        let (a, b) = (add(&mut paged), add(&mut paged));
+        let c = add(&mut paged);
+        let steps: Vec<Vec<(SequenceId, usize)>> = vec![
+            vec![(a, 6), (b, 1)],
+            vec![(a, 1), (b, 1), (c, 5)],
+            vec![(c, 1), (a, 2), (b, 1)],
+        ];
+        for rows in steps {
+            let total = rows.iter().map(|(_, n)| n).sum();
+            let x = randn([total, D_MODEL], &device);
+            let ids: Vec<SequenceId> = rows
+                .iter()
+                .flat_map(|&(id, n)| std::iter::repeat_n(id, n))
+                .collect();
+            let output = stack.forward_paged(x.clone(), &mut paged, &ids).unwrap();
+            let mut start = 0;
+            for (id, n) in rows {
+                let tokens = x.clone().narrow(0, start, n).reshape([1, n, D_MODEL]);
+                let expected = stack
+                    .forward_cached(
+                        TransformerEncoderInput::new(tokens),
+                        alone.get_mut(&id).unwrap(),
+                    )
+                    .unwrap()
+                    .reshape([n, D_MODEL]);
+                assert_close(
+                    &format!("stack {storage:?} {id}"),
+                    output.clone().narrow(0, start, n),
+                    expected,
+                    1e-5,
+                );
+                start += n;
+            }
+        }
+        assert_eq!(paged.len(a), Some(9));
+        paged.remove_sequence(b).unwrap();
+        assert!(paged.bytes_in_use() > 0);
+    }
+}
+
+#[test]
+fn long_sequences_read_in_several_windows_of_blocks_equal_decoding_them_alone() {
+    let device = Device::flex();
+    let _seed = common::seed(&device, 38);
+    for (label, config) in configs().into_iter().take(5) {
+        let module = config.init(&device);
+        let mut harness = Harness::new(
+            &module,
+            &device,
+            PagedKvCacheConfig::new(128).with_block_size(16),
+            format!("long {label}"),
+            1e-5,
+        );
+        let (a, b) = (harness.add(), harness.add());
+        harness.step(&[(a, 300), (b, 40)]);
+        // Many windows of the in-place kernel's scores, across block boundaries.
+        harness.step(&[(a, 1), (b, 1)]);
+        harness.step(&[(b, 3), (a, 9)]);
+        harness.step(&[(a, 1)]);
+    }
+}
