@@ -14,7 +14,7 @@
 use std::time::Instant;
 
 use burn::tensor::{Device, Distribution, Tensor};
-use mha::{KvCache, MhaInput, MultiHeadAttentionConfig};
+use mha::{KvCache, MhaInput, MultiHeadAttention, MultiHeadAttentionConfig};
 
 #[path = "decoding/concurrent.rs"]
 mod concurrent;
@@ -44,36 +44,50 @@ fn read_bandwidth() -> f64 {
     (values.len() * 4) as f64 / best
 }
 
-fn main() {
-    let mut positions = vec![512, 4096, 16384];
-    let mut steps = 64;
-    let mut concurrency = vec![1, 8, 32];
-    let mut rounds = 16;
-    let mut block_size = 16;
-    let mut args = std::env::args().skip(1);
-    while let Some(arg) = args.next() {
-        let mut value = || args.next().expect("a value after the option");
-        match arg.as_str() {
-            "--positions" => {
-                positions = value()
-                    .split(',')
-                    .filter(|n| !n.is_empty())
-                    .map(|n| n.parse().expect("--positions: numbers"))
-                    .collect()
+/// The bench's options (see the crate docs above).
+struct Options {
+    positions: Vec<usize>,
+    steps: usize,
+    concurrency: Vec<usize>,
+    rounds: usize,
+    block_size: usize,
+}
+
+impl Options {
+    fn from_args() -> Self {
+        let mut options = Self {
+            positions: vec![512, 4096, 16384],
+            steps: 64,
+            concurrency: vec![1, 8, 32],
+            rounds: 16,
+            block_size: 16,
+        };
+        let list = |text: String, name: &str| -> Vec<usize> {
+            text.split(',')
+                .filter(|n| !n.is_empty())
+                .map(|n| n.parse().unwrap_or_else(|_| panic!("{name}: numbers")))
+                .collect()
+        };
+        let mut args = std::env::args().skip(1);
+        while let Some(arg) = args.next() {
+            let mut value = || args.next().expect("a value after the option");
+            match arg.as_str() {
+                "--positions" => options.positions = list(value(), "--positions"),
+                "--steps" => options.steps = value().parse().expect("--steps: a number"),
+                "--concurrent" => options.concurrency = list(value(), "--concurrent"),
+                "--rounds" => options.rounds = value().parse().expect("--rounds: a number"),
+                "--block-size" => {
+                    options.block_size = value().parse().expect("--block-size: a number")
+                }
+                _ => {}
             }
-            "--steps" => steps = value().parse().expect("--steps: a number"),
-            "--concurrent" => {
-                concurrency = value()
-                    .split(',')
-                    .filter(|n| !n.is_empty())
-                    .map(|n| n.parse().expect("--concurrent: numbers"))
-                    .collect()
-            }
-            "--rounds" => rounds = value().parse().expect("--rounds: a number"),
-            "--block-size" => block_size = value().parse().expect("--block-size: a number"),
-            _ => {}
         }
+        options
     }
+}
+
+fn main() {
+    let options = Options::from_args();
     let device = Device::flex();
     device.seed(0);
     let module = MultiHeadAttentionConfig::new(D_MODEL, HEADS)
@@ -81,24 +95,49 @@ fn main() {
         .init(&device);
     let bandwidth = read_bandwidth();
     let head_dim = D_MODEL / HEADS;
-    let weight_bytes = 4 * (2 * D_MODEL * D_MODEL + 2 * D_MODEL * KV_HEADS * head_dim);
     println!(
-        "flex, batch 1, d_model {D_MODEL}, {HEADS} query / {KV_HEADS} key-value heads, f32; \
-         read bandwidth {:.1} GB/s (sum of a 256 MiB buffer, best of 5); median of {steps} steps\n",
+        "flex, d_model {D_MODEL}, {HEADS} query / {KV_HEADS} key-value heads, f32; read \
+         bandwidth {:.1} GB/s (sum of a 256 MiB buffer, best of 5)",
         bandwidth / 1e9
     );
+    if !options.positions.is_empty() {
+        one_sequence_table(&module, &options, bandwidth, &device);
+    }
+    let sizes = concurrent::Sizes {
+        d_model: D_MODEL,
+        kv_heads: KV_HEADS,
+        head_dim,
+        block_size: options.block_size,
+    };
+    if !options.concurrency.is_empty() {
+        let (concurrency, rounds) = (&options.concurrency, options.rounds);
+        concurrent::table(&module, &sizes, concurrency, rounds, bandwidth, &device);
+    }
+}
+
+/// ms per token of one sequence decoded with a `KvCache`, at each of `options.positions`.
+fn one_sequence_table(
+    module: &MultiHeadAttention,
+    options: &Options,
+    bandwidth: f64,
+    device: &Device,
+) {
+    let steps = options.steps;
+    let head_dim = D_MODEL / HEADS;
+    let weight_bytes = 4 * (2 * D_MODEL * D_MODEL + 2 * D_MODEL * KV_HEADS * head_dim);
+    println!("\nbatch 1, median of {steps} steps\n");
     println!(
         "| cached positions | ms per token | bytes a step must read | at {:.1} GB/s, ms | time / bound |",
         bandwidth / 1e9
     );
     println!("|---|---|---|---|---|");
-    for &cached in &positions {
+    for &cached in &options.positions {
         let mut cache = KvCache::new();
-        let prompt = Tensor::<3>::random([1, cached, D_MODEL], Distribution::Default, &device);
+        let prompt = Tensor::<3>::random([1, cached, D_MODEL], Distribution::Default, device);
         module
             .forward_cached(MhaInput::self_attn(prompt).causal(), &mut cache)
             .expect("an unbounded cache");
-        let token = Tensor::<3>::random([1, 1, D_MODEL], Distribution::Default, &device);
+        let token = Tensor::<3>::random([1, 1, D_MODEL], Distribution::Default, device);
         let mut times = Vec::with_capacity(steps);
         for _ in 0..steps {
             let started = Instant::now();
@@ -120,14 +159,5 @@ fn main() {
             bound * 1e3,
             median / bound
         );
-    }
-    let sizes = concurrent::Sizes {
-        d_model: D_MODEL,
-        kv_heads: KV_HEADS,
-        head_dim,
-        block_size,
-    };
-    if !concurrency.is_empty() {
-        concurrent::table(&module, &sizes, &concurrency, rounds, bandwidth, &device);
     }
 }

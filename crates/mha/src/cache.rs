@@ -308,11 +308,12 @@ impl Stored {
     }
 }
 
-/// Keys or values in int8: `values` in i8 and one f32 scale per position and head.
+/// Keys or values in int8: `values` in i8 and one scale per position and head.
 pub(crate) struct Quantized {
     /// `[batch, heads, positions, dim]`, i8.
     pub values: Tensor<4, Int>,
-    /// `[batch, heads, positions, 1]`: `max |x| / 127` of each position's row.
+    /// `[batch, heads, positions, 1]`: `max |x| / 127` of each position's row, in the input's
+    /// float type.
     pub scales: Tensor<4>,
 }
 

@@ -36,6 +36,10 @@ fn configs() -> Vec<(&'static str, MultiHeadAttentionConfig)> {
             base.clone().with_n_kv_heads(Some(2)).with_alibi(true),
         ),
         (
+            "mha+alibi+softcap",
+            base.clone().with_alibi(true).with_softcap(Some(1.5)),
+        ),
+        (
             "gqa+window+softcap+sinks",
             base.clone()
                 .with_n_kv_heads(Some(2))
@@ -201,6 +205,9 @@ fn every_sequence_of_a_ragged_step_equals_decoding_it_alone() {
         };
         for (label, config) in configs {
             let module = config.init(&device);
+            if !device.supports_dtype(DType::I8) {
+                int8_is_refused_where_the_device_has_no_i8(&module, &device);
+            }
             for storage in storages(&device) {
                 let paged = PagedKvCacheConfig::new(64)
                     .with_block_size(4)
@@ -440,10 +447,23 @@ fn bad_steps_are_refused_clearly_and_leave_the_cache_unchanged() {
         module.forward_paged(randn([1, 8], &device), &mut cache, &[a])
     });
     assert!(narrow.contains("`input`"), "{narrow}");
-    let int8_on_flex = PagedKvCacheConfig::new(8)
+}
+
+/// On a device without i8 tensors an int8 pool refuses the step, naming the storage, and
+/// holds nothing.
+fn int8_is_refused_where_the_device_has_no_i8(module: &MultiHeadAttention, device: &Device) {
+    let mut cache = PagedKvCacheConfig::new(8)
         .with_storage(CacheStorage::Int8)
         .init();
-    assert_eq!(int8_on_flex.blocks_in_use(), 0);
+    let id = cache.add_sequence();
+    let error = module
+        .forward_paged(randn([2, D_MODEL], device), &mut cache, &[id, id])
+        .unwrap_err();
+    assert!(
+        matches!(&error, PagedCacheError::Storage { reason } if reason.contains("i8")),
+        "{error}"
+    );
+    assert_eq!((cache.len(id), cache.blocks_in_use()), (Some(0), 0));
 }
 
 #[test]

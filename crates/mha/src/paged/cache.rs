@@ -12,7 +12,8 @@ use super::store::{BlockLayout, BlockStore};
 use crate::cache::{CacheOwner, CacheStorage};
 
 /// One sequence of a [`PagedKvCache`], as [`PagedKvCache::add_sequence`] and
-/// [`PagedKvCache::fork`] hand it out. Ids are never reused by a cache.
+/// [`PagedKvCache::fork`] hand it out. Ids are never reused by a cache; an id names a sequence
+/// of the cache that made it (another cache may have a sequence of the same number).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct SequenceId(u64);
 
@@ -162,8 +163,10 @@ impl fmt::Display for PagedCacheError {
 
 impl core::error::Error for PagedCacheError {}
 
-/// Keys and values of many sequences in one bounded pool of blocks of `block_size` positions,
-/// `[blocks, n_kv_heads, block_size, head_dim]`, with a block table per sequence. Sequences
+/// Keys and values of many sequences in one bounded pool of blocks of `block_size` positions
+/// (values `[blocks, n_kv_heads, block_size, head_dim]`, keys feature-major, `[blocks,
+/// n_kv_heads, head_dim, block_size]`, as vLLM's key cache is), with a block table per
+/// sequence. Sequences
 /// join ([`add_sequence`](Self::add_sequence), [`fork`](Self::fork),
 /// [`fork_prefix`](Self::fork_prefix)) and leave ([`remove_sequence`](Self::remove_sequence),
 /// whose blocks go back to the pool at once) between any two steps of
@@ -531,9 +534,11 @@ impl PagedKvCache {
         let new_blocks = planned.table.len.div_ceil(block_size) - table.blocks.len();
         planned.needed = new_blocks + usize::from(shared_partial_block.is_some());
         if let Some(from) = shared_partial_block {
+            // Counted whether or not the pool has the block, so that the sharers after this one
+            // are counted as the step would run: the last one writing in place.
+            *copied.entry(from).or_default() += 1;
             match pool.take() {
                 Some(to) => {
-                    *copied.entry(from).or_default() += 1;
                     planned.copy = Some(BlockCopy { from, to });
                     *planned.table.blocks.last_mut().expect("a partial block") = to;
                 }
@@ -672,6 +677,25 @@ mod tests {
         assert_eq!(cache.blocks_in_use(), 2);
         step(&mut cache, owner, &[a, b], &[1, 1]).unwrap();
         assert_eq!(cache.free_blocks(), 0);
+    }
+
+    #[test]
+    fn a_refused_copy_on_write_counts_the_last_sharer_as_writing_in_place() {
+        let owner = owner();
+        let mut cache = PagedKvCacheConfig::new(2).with_block_size(4).init();
+        let parent = cache.add_sequence();
+        step(&mut cache, owner, &[parent], &[6]).unwrap();
+        let child = cache.fork(parent).unwrap();
+        // The parent's copy of the shared block finds no free block; the child, the block's
+        // last sharer, would then have written in place: one block short, not two.
+        assert_eq!(
+            step(&mut cache, owner, &[parent, child], &[1, 1]),
+            Err(PagedCacheError::PoolFull {
+                sequence: parent,
+                needed: 1,
+                free: 0
+            })
+        );
     }
 
     #[test]

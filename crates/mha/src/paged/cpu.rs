@@ -141,11 +141,12 @@ pub(crate) fn native_paged_attention(
             blocks: sequence.table.blocks.clone(),
         })
         .collect();
-    let sinks = match (&module.sinks, module.quiet_softmax) {
-        (Some(sinks), _) => Some(sinks.val().into_data().try_into_vec_as::<f32>().ok()?),
-        (None, true) => Some(vec![0.0; module.n_heads]),
-        (None, false) => None,
-    };
+    let sinks = module
+        .softmax_options(&device)
+        .sinks
+        .map(|sinks| sinks.into_data().try_into_vec_as::<f32>())
+        .transpose()
+        .ok()?;
     let params = PagedParams {
         sequences,
         scale: module.scale as f32,

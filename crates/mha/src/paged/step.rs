@@ -30,10 +30,12 @@ impl MultiHeadAttention {
     /// with a [`KvCache`](crate::KvCache) of the same storage and `.causal()`.
     ///
     /// On flex and ndarray (f32, float storage, no `add_bias_kv`/`add_zero_attn`, outside
-    /// autodiff) a native kernel reads each sequence's keys and values through its block table
-    /// in place. Elsewhere each sequence's blocks are gathered into a contiguous tensor with
-    /// tensor ops and attended to by the kernel [`AttentionPath::Auto`] picks, one sequence at a
-    /// time: the same results, a copy of the cache per step.
+    /// autodiff) a native kernel reads the keys and values of each sequence with at most 16 rows
+    /// in the step (a decoding step, a short continuation) through its block table in place.
+    /// Elsewhere, and for longer runs of rows (a prompt, whose many queries the matrix products
+    /// of the flash kernel serve better), a sequence's blocks are gathered into a contiguous
+    /// tensor with tensor ops and attended to by the kernel [`AttentionPath::Auto`] picks, one
+    /// sequence at a time: the same results, a copy of its cache per step.
     ///
     /// # Shapes
     ///

@@ -65,7 +65,9 @@ impl BlockStore {
                 blocks: laid_out(rows, layout),
             },
             CacheStorage::Int8 => {
-                let Quantized { values, scales } = quantize_int8(rows.cast(DType::F32));
+                // Scales in the module's float type, as each step's quantized rows have them
+                // (and as `KvCache` keeps them).
+                let Quantized { values, scales } = quantize_int8(rows);
                 BlockData::Int8 {
                     values: laid_out(values, layout),
                     scales: laid_out(scales, layout),
@@ -76,6 +78,8 @@ impl BlockStore {
     }
 
     /// How the blocks are laid out.
+    // Read by the in-place kernel, compiled with a CPU backend.
+    #[cfg_attr(not(any(feature = "flex", feature = "ndarray")), allow(dead_code))]
     pub fn layout(&self) -> BlockLayout {
         self.layout
     }
@@ -101,6 +105,7 @@ impl BlockStore {
     }
 
     /// The float blocks in their layout, for the native kernel; `None` for int8.
+    #[cfg_attr(not(any(feature = "flex", feature = "ndarray")), allow(dead_code))]
     pub fn float_blocks(&self) -> Option<&Tensor<4>> {
         match &self.data {
             BlockData::Float { blocks } => Some(blocks),

@@ -7,8 +7,9 @@
 //! `norm_first`, `quiet_softmax`, `initializer`, `activation`, `layer_norm_eps`), so that a
 //! model written for burn-nn changes one import; they add this crate's attention options
 //! (`n_kv_heads`, `rope`, `alibi`, `window`, `causal`). A burn-nn model converts with its
-//! weights ([`crate::burn_nn`]). Both stacks decode with KV caches through every layer; the causal encoder (a decoder-only
-//! model) also serves many sequences at once through a [`PagedTransformerCache`].
+//! weights ([`crate::burn_nn`]). Both stacks decode with KV caches through every layer; the
+//! causal encoder (a decoder-only model) also serves many sequences at once through a
+//! [`PagedTransformerCache`].
 
 mod decoder;
 mod encoder;

@@ -80,7 +80,7 @@ impl PagedTransformerCache {
         self.layers.iter().map(PagedKvCache::reserved_bytes).sum()
     }
 
-    /// Layer `i`'s cache.
+    /// The layers' caches, first to last.
     pub fn layers(&self) -> &[PagedKvCache] {
         &self.layers
     }
@@ -155,7 +155,16 @@ impl TransformerEncoderLayer {
 impl TransformerEncoder {
     /// An empty paged cache for [`forward_paged`](Self::forward_paged): a pool of `config` per
     /// layer.
+    ///
+    /// # Panics
+    ///
+    /// If the stack has no layers, or as [`PagedKvCacheConfig::init`].
     pub fn new_paged_cache(&self, config: PagedKvCacheConfig) -> PagedTransformerCache {
+        assert!(
+            !self.layers.is_empty(),
+            "TransformerEncoder::new_paged_cache: the stack has no layers (n_layers = 0), so \
+             there is nothing to cache"
+        );
         PagedTransformerCache {
             layers: self.layers.iter().map(|_| config.init()).collect(),
         }
