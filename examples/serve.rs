@@ -1,7 +1,8 @@
 //! Serving a stream of requests with a small (untrained) decoder-only model, two ways: continuous
 //! batching over a `PagedTransformerCache` (requests join the running batch as they arrive,
-//! prompts are prefilled in the same step as the other requests' next tokens, and a finished
-//! request's blocks go back to the pool at once), and one request at a time with a `KvCache` per
+//! prompts are prefilled in the same step as the other requests' next tokens, a finished
+//! request's blocks go back to the pool at once, and the system prompt every request starts with
+//! is prefilled once and shared by forking it), and one request at a time with a `KvCache` per
 //! layer. Both decode greedily, so each request must get the same tokens either way; the example
 //! prints tokens per second, time to first token and peak cache memory for each.
 //!
@@ -30,12 +31,22 @@ const ARRIVAL_INTERVAL_MS: u64 = 2;
 const BLOCK_SIZE: usize = 16;
 /// The pool's bound, per layer: 8192 positions.
 const MAX_BLOCKS: usize = 512;
+/// Tokens of the system prompt every request starts with (four whole blocks).
+const SYSTEM_PROMPT: usize = 64;
 
-/// One client's request: its prompt and how many tokens it wants back.
+/// One client's request: its own prompt (after the system prompt) and how many tokens it wants
+/// back.
 struct Request {
     arrival: Duration,
     prompt: Vec<i64>,
     output_len: usize,
+}
+
+/// The system prompt: the same tokens in front of every request.
+fn system_prompt() -> Vec<i64> {
+    (0..SYSTEM_PROMPT as i64)
+        .map(|i| (i * 37 + 11) % VOCAB as i64)
+        .collect()
 }
 
 /// A deterministic stream of requests: prompts of 16–192 tokens, 32–160 tokens wanted.
@@ -171,10 +182,19 @@ fn serve_batched(model: &Model, requests: &[Request], device: &Device) -> Served
     let mut first_token = vec![Duration::ZERO; requests.len()];
     let mut waiting: VecDeque<usize> = (0..requests.len()).collect();
     let mut running: Vec<Running> = Vec::new();
-    let mut peak_cache_bytes = 0;
     let started = Instant::now();
+    // The system prompt, prefilled once; every request continues a fork of it.
+    let system = cache.add_sequence();
+    model.step_paged(
+        &system_prompt(),
+        &[system; SYSTEM_PROMPT],
+        &mut cache,
+        device,
+    );
+    let system_blocks = SYSTEM_PROMPT.div_ceil(BLOCK_SIZE);
+    let mut peak_cache_bytes = cache.bytes_in_use();
     while !waiting.is_empty() || !running.is_empty() {
-        let reserved: usize = running.iter().map(|r| r.reserved).sum();
+        let reserved: usize = system_blocks + running.iter().map(|r| r.reserved).sum::<usize>();
         let mut joining = Vec::new();
         while let Some(&next) = waiting.front() {
             let request = &requests[next];
@@ -188,7 +208,7 @@ fn serve_batched(model: &Model, requests: &[Request], device: &Device) -> Served
             waiting.pop_front();
             joining.push(Running {
                 request: next,
-                id: cache.add_sequence(),
+                id: cache.fork(system).expect("the system prompt's sequence"),
                 reserved: blocks_for(request),
             });
         }
@@ -226,6 +246,9 @@ fn serve_batched(model: &Model, requests: &[Request], device: &Device) -> Served
             !done
         });
     }
+    cache
+        .remove_sequence(system)
+        .expect("the system prompt's sequence");
     Served {
         tokens,
         wall: started.elapsed(),
@@ -234,16 +257,19 @@ fn serve_batched(model: &Model, requests: &[Request], device: &Device) -> Served
     }
 }
 
-/// One request at a time, in arrival order, each with its own `KvCache` per layer.
+/// One request at a time, in arrival order, each with its own `KvCache` per layer, its system
+/// prompt prefilled with its own prompt.
 fn serve_one_at_a_time(model: &Model, requests: &[Request], device: &Device) -> Served {
     let mut tokens = Vec::new();
     let mut first_token = Vec::new();
     let mut peak_cache_bytes = 0;
     let started = Instant::now();
+    let system = system_prompt();
     for request in requests {
         std::thread::sleep(request.arrival.saturating_sub(started.elapsed()));
         let mut cache = model.stack.new_cache();
-        let mut generated = vec![model.step_cached(&request.prompt, &mut cache, device)];
+        let prompt = [system.as_slice(), &request.prompt].concat();
+        let mut generated = vec![model.step_cached(&prompt, &mut cache, device)];
         first_token.push(started.elapsed() - request.arrival);
         while generated.len() < request.output_len {
             let last = *generated.last().expect("a first token");
@@ -288,9 +314,10 @@ fn main() {
     let requests = requests();
     let wanted: usize = requests.iter().map(|r| r.output_len).sum();
     println!(
-        "{REQUESTS} requests on {name}, one every {ARRIVAL_INTERVAL_MS} ms: prompts of 16-192 \
-         tokens, {wanted} tokens wanted in all; a {LAYERS}-layer causal Transformer, d_model \
-         {D_MODEL}, 8 query / 2 key-value heads, greedy decoding\n"
+        "{REQUESTS} requests on {name}, one every {ARRIVAL_INTERVAL_MS} ms: a {SYSTEM_PROMPT}-token \
+         system prompt then 16-192 tokens of their own, {wanted} tokens wanted in all; a \
+         {LAYERS}-layer causal Transformer, d_model {D_MODEL}, 8 query / 2 key-value heads, \
+         greedy decoding\n"
     );
     // A short warm-up, so that neither way pays for first-use costs (allocator, threads).
     serve_one_at_a_time(&model, &requests[..1], &device);
@@ -301,7 +328,9 @@ fn main() {
     );
     println!("|---|---|---|---|---|");
     report(
-        &format!("continuous batching (paged, {MAX_BLOCKS} blocks of {BLOCK_SIZE} per layer)"),
+        &format!(
+            "continuous batching (paged, {MAX_BLOCKS} blocks of {BLOCK_SIZE} per layer, system prompt shared)"
+        ),
         &batched,
     );
     report("one at a time (KvCache per layer)", &alone);

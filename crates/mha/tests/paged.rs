@@ -556,3 +556,14 @@ fn long_sequences_read_in_several_windows_of_blocks_equal_decoding_them_alone() 
         harness.step(&[(a, 1)]);
     }
 }
+
+#[test]
+fn a_stack_without_layers_has_no_paged_cache() {
+    use mha::transformer::TransformerEncoderConfig;
+    let device = Device::flex();
+    let stack = TransformerEncoderConfig::new(D_MODEL, 32, 4, 0)
+        .with_causal(true)
+        .init(&device);
+    let message = panic_message(|| stack.new_paged_cache(PagedKvCacheConfig::new(8)));
+    assert!(message.contains("n_layers = 0"), "{message}");
+}
