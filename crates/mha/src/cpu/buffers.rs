@@ -517,56 +517,6 @@ mod tests {
         assert!(take(length).is_none(), "released");
     }
 
-    /// Whether the 2 MiB-aligned part of `buffer` carries the huge-page advice (the `hg` flag
-    /// of its mapping in `/proc/self/smaps`).
-    #[cfg(target_os = "linux")]
-    fn asks_for_huge_pages(buffer: &[f32]) -> bool {
-        let address = (buffer.as_ptr() as usize).next_multiple_of(HUGE_PAGE_BYTES);
-        let smaps = std::fs::read_to_string("/proc/self/smaps").expect("/proc/self/smaps");
-        let mut inside = false;
-        for line in smaps.lines() {
-            let range = line.split_whitespace().next().and_then(|field| {
-                let (start, end) = field.split_once('-')?;
-                Some((
-                    usize::from_str_radix(start, 16).ok()?,
-                    usize::from_str_radix(end, 16).ok()?,
-                ))
-            });
-            if let Some((start, end)) = range {
-                inside = (start..end).contains(&address);
-            } else if inside && let Some(flags) = line.strip_prefix("VmFlags:") {
-                return flags.split_whitespace().any(|flag| flag == "hg");
-            }
-        }
-        panic!("no mapping holds {address:#x}");
-    }
-
-    /// Huge pages are asked for only when turned on, and a buffer that asks keeps its values.
-    /// Skipped where the kernel has no transparent huge pages.
-    #[cfg(target_os = "linux")]
-    #[test]
-    fn fresh_buffers_ask_for_huge_pages_only_when_turned_on() {
-        if !std::path::Path::new("/sys/kernel/mm/transparent_hugepage/enabled").exists() {
-            return;
-        }
-        let _serial = serial();
-        // Over glibc's largest mmap threshold (32 MiB): a fresh mapping every time.
-        let length = (40 << 20) / 4 + 7;
-        let was_on = huge_pages();
-        for (index, on) in [false, true].into_iter().enumerate() {
-            set_huge_pages(on);
-            let mut fresh = buffer(
-                length - index,
-                BufferSource::Allocator,
-                FreshOutputs::Unspecified,
-            );
-            assert_eq!(asks_for_huge_pages(&fresh), on, "turned on: {on}");
-            assert!(fresh.iter().all(|&x| x == 0.0));
-            assert_holds_what_is_written(&mut fresh);
-        }
-        set_huge_pages(was_on);
-    }
-
     #[cfg(feature = "flex")]
     #[test]
     fn flex_storage_reads_writes_converts_and_comes_back() {
