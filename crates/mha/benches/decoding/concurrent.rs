@@ -75,7 +75,15 @@ fn random(shape: [usize; 3], device: &Device) -> Tensor<3> {
     Tensor::random(shape, Distribution::Default, device)
 }
 
-fn median(mut times: Vec<f64>) -> f64 {
+/// The median of `rounds` runs of `round`, in seconds.
+fn median_seconds(rounds: usize, mut round: impl FnMut()) -> f64 {
+    let mut times: Vec<f64> = (0..rounds)
+        .map(|_| {
+            let started = Instant::now();
+            round();
+            started.elapsed().as_secs_f64()
+        })
+        .collect();
     times.sort_by(f64::total_cmp);
     times[times.len() / 2]
 }
@@ -104,17 +112,12 @@ fn paged_round(
             .expect("the pool was sized for the run");
     }
     let tokens = random([1, ids.len(), sizes.d_model], device).reshape([ids.len(), sizes.d_model]);
-    let times = (0..rounds)
-        .map(|_| {
-            let started = Instant::now();
-            let output = module
-                .forward_paged(tokens.clone(), &mut cache, &ids)
-                .expect("the pool was sized for the run");
-            output.into_data();
-            started.elapsed().as_secs_f64()
-        })
-        .collect();
-    median(times)
+    median_seconds(rounds, || {
+        let output = module
+            .forward_paged(tokens.clone(), &mut cache, &ids)
+            .expect("the pool was sized for the run");
+        output.into_data();
+    })
 }
 
 /// Seconds per round of one step of a batch padded to the longest sequence.
@@ -145,17 +148,12 @@ fn padded_round(
         )
         .expect("an unbounded cache");
     let tokens = random([count, 1, sizes.d_model], device);
-    let times = (0..rounds)
-        .map(|_| {
-            let started = Instant::now();
-            let output = module
-                .forward_cached(MhaInput::self_attn(tokens.clone()).causal(), &mut cache)
-                .expect("an unbounded cache");
-            output.context.into_data();
-            started.elapsed().as_secs_f64()
-        })
-        .collect();
-    median(times)
+    median_seconds(rounds, || {
+        let output = module
+            .forward_cached(MhaInput::self_attn(tokens.clone()).causal(), &mut cache)
+            .expect("an unbounded cache");
+        output.context.into_data();
+    })
 }
 
 /// Seconds per round of one step per sequence, each with its own cache.
@@ -180,17 +178,12 @@ fn one_at_a_time_round(
         })
         .collect();
     let token = random([1, 1, sizes.d_model], device);
-    let times = (0..rounds)
-        .map(|_| {
-            let started = Instant::now();
-            for cache in &mut caches {
-                let output = module
-                    .forward_cached(MhaInput::self_attn(token.clone()).causal(), cache)
-                    .expect("an unbounded cache");
-                output.context.into_data();
-            }
-            started.elapsed().as_secs_f64()
-        })
-        .collect();
-    median(times)
+    median_seconds(rounds, || {
+        for cache in &mut caches {
+            let output = module
+                .forward_cached(MhaInput::self_attn(token.clone()).causal(), cache)
+                .expect("an unbounded cache");
+            output.context.into_data();
+        }
+    })
 }

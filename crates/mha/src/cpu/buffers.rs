@@ -377,15 +377,6 @@ mod tests {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    /// Writes each element's index into `buffer` and reads every one back.
-    fn assert_holds_what_is_written(buffer: &mut [f32]) {
-        buffer
-            .iter_mut()
-            .enumerate()
-            .for_each(|(i, x)| *x = i as f32);
-        assert!(buffer.iter().enumerate().all(|(i, &x)| x == i as f32));
-    }
-
     #[test]
     fn size_classes_are_four_per_doubling_and_at_most_a_quarter_larger() {
         assert_eq!(size_class(5), 5, "tiny lengths are their own class");

@@ -261,16 +261,7 @@ impl<'a> Matrix<'a> {
     ///
     /// If they are not rows of the matrix.
     pub fn rows(self, start: usize, count: usize) -> Self {
-        assert!(
-            start + count <= self.rows,
-            "CPU kernel: rows {start}..{} out of a {}-row matrix",
-            start + count,
-            self.rows
-        );
-        let offset = match count {
-            0 => 0,
-            _ => start * self.row_stride,
-        };
+        let offset = rows_offset(start, count, self.rows, self.row_stride);
         Self::new(
             &self.values[offset..],
             count,
@@ -293,6 +284,21 @@ impl<'a> Matrix<'a> {
         );
         &self.values[row * self.row_stride..][..self.columns]
     }
+}
+
+/// The element offset of rows `start..start + count` of a matrix of `rows` rows (0 for no
+/// rows, so that an empty range at the end stays inside the buffer).
+///
+/// # Panics
+///
+/// If they are not rows of the matrix.
+fn rows_offset(start: usize, count: usize, rows: usize, row_stride: usize) -> usize {
+    assert!(
+        start + count <= rows,
+        "CPU kernel: rows {start}..{} out of a {rows}-row matrix",
+        start + count
+    );
+    if count == 0 { 0 } else { start * row_stride }
 }
 
 /// A writable matrix with unit column stride: element `(i, j)` at `pointer + i · row_stride +
@@ -341,16 +347,7 @@ impl<'a> MatrixMut<'a> {
     ///
     /// If they are not rows of the matrix.
     pub fn rows(&mut self, start: usize, count: usize) -> MatrixMut<'_> {
-        assert!(
-            start + count <= self.rows,
-            "CPU kernel: rows {start}..{} out of a {}-row matrix",
-            start + count,
-            self.rows
-        );
-        let offset = match count {
-            0 => 0,
-            _ => start * self.row_stride,
-        };
+        let offset = rows_offset(start, count, self.rows, self.row_stride);
         MatrixMut {
             // SAFETY: row `start` lies in the buffer (checked extent; `start < rows` when
             // `count > 0`, and the pointer is not used when `count == 0`).

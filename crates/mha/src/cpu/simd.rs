@@ -369,18 +369,16 @@ pub(crate) fn query_key_dots(
     key_stride: usize,
     count: usize,
 ) {
-    let width = queries.first().map_or(0, |query| query.len());
+    let width = query_width(queries, scores.len(), score_stride, count);
     assert!(
-        queries.iter().all(|query| query.len() == width)
-            && (count == 0 || (count - 1) * key_stride + width <= keys.len())
-            && (queries.is_empty() || (queries.len() - 1) * score_stride + count <= scores.len())
-            && count <= score_stride,
-        "query_key_dots: {} queries of {width} against {count} key rows (stride {key_stride}, \
+        width.is_some_and(|width| count == 0 || (count - 1) * key_stride + width <= keys.len()),
+        "query_key_dots: {} queries of width {width:?} against {count} key rows (stride {key_stride}, \
          {} values) into {} scores (stride {score_stride})",
         queries.len(),
         keys.len(),
         scores.len()
     );
+    let width = width.expect("checked above");
     query_key_dots_checked(
         scores,
         score_stride,
@@ -404,10 +402,7 @@ dispatch! {
     ) -> () {
         let whole = width / LANES * LANES;
         for (group, group_queries) in queries.chunks(DOT_QUERIES).enumerate() {
-            // Always four queries (the last repeated), so that the loops below have constant
-            // bounds and the accumulators stay in registers; only the real ones are written.
-            let four: [&[f32]; DOT_QUERIES] =
-                std::array::from_fn(|q| group_queries[q.min(group_queries.len() - 1)]);
+            let four = four_queries(group_queries);
             for key in 0..count {
                 let row = &keys[key * key_stride..][..width];
                 let mut lanes = [[0.0f32; LANES]; DOT_QUERIES];
@@ -453,18 +448,18 @@ pub(crate) fn query_key_column_dots(
     key_stride: usize,
     count: usize,
 ) {
-    let width = queries.first().map_or(0, |query| query.len());
+    let width = query_width(queries, scores.len(), score_stride, count);
     assert!(
-        queries.iter().all(|query| query.len() == width)
-            && (width == 0 || count == 0 || (width - 1) * key_stride + count <= keys.len())
-            && (queries.is_empty() || (queries.len() - 1) * score_stride + count <= scores.len())
-            && count <= score_stride,
-        "query_key_column_dots: {} queries of {width} against {count} key columns (stride \
+        width.is_some_and(|width| {
+            width == 0 || count == 0 || (width - 1) * key_stride + count <= keys.len()
+        }),
+        "query_key_column_dots: {} queries of width {width:?} against {count} key columns (stride \
          {key_stride}, {} values) into {} scores (stride {score_stride})",
         queries.len(),
         keys.len(),
         scores.len()
     );
+    let width = width.expect("checked above");
     query_key_column_dots_checked(
         scores,
         score_stride,
@@ -487,9 +482,7 @@ dispatch! {
         width: usize
     ) -> () {
         for (group, group_queries) in queries.chunks(DOT_QUERIES).enumerate() {
-            // Four queries (the last repeated), for constant loop bounds and registers.
-            let four: [&[f32]; DOT_QUERIES] =
-                std::array::from_fn(|q| group_queries[q.min(group_queries.len() - 1)]);
+            let four = four_queries(group_queries);
             for first in (0..count).step_by(LANES) {
                 let lanes_used = LANES.min(count - first);
                 let mut sums = [[0.0f32; LANES]; DOT_QUERIES];
@@ -518,6 +511,28 @@ dispatch! {
             }
         }
     }
+}
+
+/// The width of `queries` if they all have one, and `scores` holds `queries.len()` rows of
+/// `count` at `score_stride` (the checks [`query_key_dots`] and [`query_key_column_dots`]
+/// share); `None` otherwise.
+fn query_width(
+    queries: &[&[f32]],
+    scores: usize,
+    score_stride: usize,
+    count: usize,
+) -> Option<usize> {
+    let width = queries.first().map_or(0, |query| query.len());
+    let fits = queries.is_empty() || (queries.len() - 1) * score_stride + count <= scores;
+    (queries.iter().all(|query| query.len() == width) && fits && count <= score_stride)
+        .then_some(width)
+}
+
+/// One to four query rows as always four (the last repeated), so that the score loops have
+/// constant bounds and their accumulators stay in registers; only the real rows are written.
+#[inline(always)]
+fn four_queries<'q>(queries: &[&'q [f32]]) -> [&'q [f32]; DOT_QUERIES] {
+    std::array::from_fn(|q| queries[q.min(queries.len() - 1)])
 }
 
 /// The sum of `lanes` by halving (8 + 8, 4 + 4, …): four vector adds where a left-to-right sum

@@ -267,26 +267,36 @@ pub(crate) struct PagedStep {
     pool: PoolPlan,
 }
 
-/// The pool as a step leaves it: its size, its free blocks and those the step took.
+/// What a step takes from the pool, without copying its free list: the free blocks it takes
+/// from the list's end, the blocks the pool grows by, and the blocks taken.
 #[derive(Debug)]
 struct PoolPlan {
-    free: Vec<usize>,
+    /// Free blocks taken from the end of the cache's free list.
+    free_taken: usize,
     /// Blocks the pool holds, grown for the step.
     blocks: usize,
     max_blocks: usize,
+    /// Blocks the pool grew by that the step has not taken, taken from the end.
+    grown: Vec<usize>,
     taken: Vec<usize>,
 }
 
 impl PoolPlan {
-    /// A free block, the pool doubled (up to its bound) when none is left; `None` when full.
-    fn take(&mut self) -> Option<usize> {
-        if self.free.is_empty() && self.blocks < self.max_blocks {
-            let grown = (2 * self.blocks).clamp(self.blocks + 1, self.max_blocks);
-            // Reversed, so that blocks are taken in increasing order.
-            self.free.extend((self.blocks..grown).rev());
-            self.blocks = grown;
-        }
-        let block = self.free.pop()?;
+    /// A block of `free` (the cache's free list) not taken yet, else one the pool grows by
+    /// (doubling, up to its bound); `None` when the pool is full.
+    fn take(&mut self, free: &[usize]) -> Option<usize> {
+        let block = if self.free_taken < free.len() {
+            self.free_taken += 1;
+            free[free.len() - self.free_taken]
+        } else {
+            if self.grown.is_empty() && self.blocks < self.max_blocks {
+                let grown = (2 * self.blocks).clamp(self.blocks + 1, self.max_blocks);
+                // Reversed, so that blocks are taken in increasing order.
+                self.grown.extend((self.blocks..grown).rev());
+                self.blocks = grown;
+            }
+            self.grown.pop()?
+        };
         self.taken.push(block);
         Some(block)
     }
@@ -463,9 +473,10 @@ impl PagedKvCache {
             });
         }
         let mut pool = PoolPlan {
-            free: self.free.clone(),
+            free_taken: 0,
             blocks: self.refcounts.len(),
             max_blocks: self.config.max_blocks,
+            grown: Vec::new(),
             taken: Vec::new(),
         };
         // Copies-on-write of this step, per block copied from.
@@ -537,7 +548,7 @@ impl PagedKvCache {
             // Counted whether or not the pool has the block, so that the sharers after this one
             // are counted as the step would run: the last one writing in place.
             *copied.entry(from).or_default() += 1;
-            match pool.take() {
+            match pool.take(&self.free) {
                 Some(to) => {
                     planned.copy = Some(BlockCopy { from, to });
                     *planned.table.blocks.last_mut().expect("a partial block") = to;
@@ -546,7 +557,7 @@ impl PagedKvCache {
             }
         }
         for _ in 0..new_blocks {
-            match pool.take() {
+            match pool.take(&self.free) {
                 Some(block) => planned.table.blocks.push(block),
                 None => planned.fits = false,
             }
@@ -575,7 +586,8 @@ impl PagedKvCache {
             .unwrap_or_else(|| store(BlockLayout::PositionMajor, value_dim, value))
             .grown(pool.blocks);
         self.refcounts.resize(pool.blocks, 0);
-        self.free.clone_from(&pool.free);
+        self.free.truncate(self.free.len() - pool.free_taken);
+        self.free.extend(&pool.grown);
         for &block in &pool.taken {
             self.refcounts[block] = 1;
         }

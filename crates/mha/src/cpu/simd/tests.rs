@@ -166,22 +166,32 @@ fn weighted_row_sums_match_a_scalar_sum() {
     }
 }
 
+/// `length` values spread over [-2, 2] without a pattern a kernel could get right by accident.
+fn spread_values(length: usize) -> Vec<f32> {
+    (0..length)
+        .map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0)
+        .collect()
+}
+
+/// `count` query rows of `width`, each different.
+fn query_rows(count: usize, width: usize) -> Vec<Vec<f32>> {
+    (0..count)
+        .map(|q| {
+            (0..width)
+                .map(|d| ((q * 13 + d * 7) % 29) as f32 / 9.0 - 1.5)
+                .collect()
+        })
+        .collect()
+}
+
 #[test]
 fn query_key_dots_match_scalar_dot_products_for_every_width_and_query_count() {
     for width in [1, 15, 16, 17, 64, 80] {
         for queries in [1, 3, 4, 5, 8] {
             let count = 7;
             let key_stride = width + 3;
-            let keys: Vec<f32> = (0..count * key_stride)
-                .map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0)
-                .collect();
-            let query_rows: Vec<Vec<f32>> = (0..queries)
-                .map(|q| {
-                    (0..width)
-                        .map(|d| ((q * 13 + d * 7) % 29) as f32 / 9.0 - 1.5)
-                        .collect()
-                })
-                .collect();
+            let keys = spread_values(count * key_stride);
+            let query_rows = query_rows(queries, width);
             let borrowed: Vec<&[f32]> = query_rows.iter().map(Vec::as_slice).collect();
             let score_stride = count + 2;
             let mut scores = vec![f32::NAN; queries * score_stride];
@@ -217,16 +227,8 @@ fn query_key_column_dots_match_scalar_dot_products_for_every_width_and_count() {
         for queries in [1, 3, 4, 5, 8] {
             for count in [1, 7, 16, 17, 40] {
                 let key_stride = count + 5;
-                let keys: Vec<f32> = (0..width * key_stride)
-                    .map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0)
-                    .collect();
-                let query_rows: Vec<Vec<f32>> = (0..queries)
-                    .map(|q| {
-                        (0..width)
-                            .map(|d| ((q * 13 + d * 7) % 29) as f32 / 9.0 - 1.5)
-                            .collect()
-                    })
-                    .collect();
+                let keys = spread_values(width * key_stride);
+                let query_rows = query_rows(queries, width);
                 let borrowed: Vec<&[f32]> = query_rows.iter().map(Vec::as_slice).collect();
                 let score_stride = count + 2;
                 let mut scores = vec![f32::NAN; queries * score_stride];
