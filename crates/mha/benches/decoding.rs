@@ -8,7 +8,8 @@
 //! `PagedKvCache` against a padded `KvCache` batch and against one sequence at a time.
 //!
 //! `cargo bench --workspace --features burn-mha/wgpu,train-demo/ndarray,train-demo/wgpu --bench decoding`
-//! (options: `--positions 512,4096,16384`, `--steps 64`, `--concurrent 1,8,32`, `--rounds 16`, `--block-size 16`;
+//! (options: `--positions 512,4096,16384`, `--steps 64`, `--concurrent 1,8,32`, `--rounds 16`, `--block-size 16`,
+//! `--ways paged,padded,single`;
 //! an empty list skips its table).
 
 use std::time::Instant;
@@ -51,6 +52,7 @@ struct Options {
     concurrency: Vec<usize>,
     rounds: usize,
     block_size: usize,
+    ways: Vec<concurrent::Way>,
 }
 
 impl Options {
@@ -61,6 +63,7 @@ impl Options {
             concurrency: vec![1, 8, 32],
             rounds: 16,
             block_size: 16,
+            ways: concurrent::Way::ALL.to_vec(),
         };
         let list = |text: String, name: &str| -> Vec<usize> {
             text.split(',')
@@ -78,6 +81,13 @@ impl Options {
                 "--rounds" => options.rounds = value().parse().expect("--rounds: a number"),
                 "--block-size" => {
                     options.block_size = value().parse().expect("--block-size: a number")
+                }
+                "--ways" => {
+                    options.ways = value()
+                        .split(',')
+                        .filter(|way| !way.is_empty())
+                        .map(concurrent::Way::parse)
+                        .collect()
                 }
                 _ => {}
             }
@@ -110,8 +120,12 @@ fn main() {
         block_size: options.block_size,
     };
     if !options.concurrency.is_empty() {
-        let (concurrency, rounds) = (&options.concurrency, options.rounds);
-        concurrent::table(&module, &sizes, concurrency, rounds, bandwidth, &device);
+        let runs = concurrent::Runs {
+            concurrency: &options.concurrency,
+            rounds: options.rounds,
+            ways: &options.ways,
+        };
+        concurrent::table(&module, &sizes, &runs, bandwidth, &device);
     }
 }
 

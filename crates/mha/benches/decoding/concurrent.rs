@@ -3,6 +3,10 @@
 //! them over a `PagedKvCache`, one `forward_cached` step of a `KvCache` batch padded to the
 //! longest, and one `forward_cached` step per sequence, each with its own `KvCache` — beside the
 //! bytes each way's step reads and the time that takes at the measured read bandwidth.
+//!
+//! The ways take turns round by round, so that a shared machine's slow spells fall on all of
+//! them; beside each median the table gives the median of the per-round ratios to the paged
+//! step.
 
 use std::time::Instant;
 
@@ -20,21 +24,62 @@ pub struct Sizes {
     pub block_size: usize,
 }
 
-/// How each way was measured: the median of `rounds` decoding rounds (one new token for every
-/// sequence).
+/// The three ways a round can be served.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Way {
+    /// One `forward_paged` step over a `PagedKvCache`.
+    Paged,
+    /// One `forward_cached` step of a `KvCache` batch left-padded to the longest sequence.
+    Padded,
+    /// One `forward_cached` step per sequence, each with its own `KvCache`.
+    Single,
+}
+
+impl Way {
+    /// Every way, in the table's order.
+    pub const ALL: [Way; 3] = [Way::Paged, Way::Padded, Way::Single];
+
+    /// `paged`, `padded` or `single` (the names `--ways` takes).
+    pub fn parse(name: &str) -> Way {
+        match name {
+            "paged" => Way::Paged,
+            "padded" => Way::Padded,
+            "single" => Way::Single,
+            _ => panic!("--ways: paged, padded or single, not {name:?}"),
+        }
+    }
+
+    fn label(self) -> &'static str {
+        match self {
+            Way::Paged => "paged (`forward_paged`)",
+            Way::Padded => "padded `KvCache` batch",
+            Way::Single => "one at a time (a `KvCache` each)",
+        }
+    }
+}
+
+/// What the table runs: the numbers of concurrent sequences, the rounds each cell's median is
+/// taken over, and the ways measured.
+pub struct Runs<'a> {
+    pub concurrency: &'a [usize],
+    pub rounds: usize,
+    pub ways: &'a [Way],
+}
+
+/// Each way's median over `runs.rounds` decoding rounds (one new token for every sequence),
+/// the ways taking turns round by round.
 pub fn table(
     module: &MultiHeadAttention,
     sizes: &Sizes,
-    concurrency: &[usize],
-    rounds: usize,
+    runs: &Runs,
     bandwidth: f64,
     device: &Device,
 ) {
     println!(
-        "\n| sequences | cached positions (sum, longest) | way | tokens/s | ms per round | bytes a round reads | time / bound |"
+        "\n| sequences | cached positions (sum, longest) | way | tokens/s | ms per round | time / paged (per-round median) | bytes a round reads | time / bound |"
     );
-    println!("|---|---|---|---|---|---|---|");
-    for &count in concurrency {
+    println!("|---|---|---|---|---|---|---|---|");
+    for &count in runs.concurrency {
         let lengths: Vec<usize> = (0..count).map(|i| LENGTHS[i % LENGTHS.len()]).collect();
         let longest = *lengths.iter().max().expect("a sequence");
         let stored: usize = lengths.iter().sum();
@@ -42,60 +87,80 @@ pub fn table(
         let weight_bytes = 4
             * (2 * sizes.d_model * sizes.d_model
                 + 2 * sizes.d_model * sizes.kv_heads * sizes.head_dim);
-        let ways: [(&str, f64, usize); 3] = [
-            (
-                "paged (`forward_paged`)",
-                paged_round(module, &lengths, rounds, sizes, device),
-                stored * position_bytes + weight_bytes,
-            ),
-            (
-                "padded `KvCache` batch",
-                padded_round(module, &lengths, rounds, sizes, device),
-                count * longest * position_bytes + weight_bytes,
-            ),
-            (
-                "one at a time (a `KvCache` each)",
-                one_at_a_time_round(module, &lengths, rounds, sizes, device),
-                stored * position_bytes + count * weight_bytes,
-            ),
-        ];
-        for (way, seconds, bytes) in ways {
+        let mut rounds: Vec<(Way, Box<dyn FnMut() + '_>, usize)> = runs
+            .ways
+            .iter()
+            .map(|&way| match way {
+                Way::Paged => (
+                    way,
+                    paged_round(module, &lengths, runs.rounds, sizes, device),
+                    stored * position_bytes + weight_bytes,
+                ),
+                // The flash kernel skips each row's padding (keys outside its unpadded span),
+                // so the padded batch reads what the paged step reads, though it holds
+                // `count · longest` positions.
+                Way::Padded => (
+                    way,
+                    padded_round(module, &lengths, sizes, device),
+                    stored * position_bytes + weight_bytes,
+                ),
+                Way::Single => (
+                    way,
+                    one_at_a_time_round(module, &lengths, sizes, device),
+                    stored * position_bytes + count * weight_bytes,
+                ),
+            })
+            .collect();
+        // times[round][way]
+        let times: Vec<Vec<f64>> = (0..runs.rounds)
+            .map(|_| {
+                rounds
+                    .iter_mut()
+                    .map(|(_, round, _)| {
+                        let started = Instant::now();
+                        round();
+                        started.elapsed().as_secs_f64()
+                    })
+                    .collect()
+            })
+            .collect();
+        let paged = runs.ways.iter().position(|&way| way == Way::Paged);
+        for (index, (way, _, bytes)) in rounds.iter().enumerate() {
+            let seconds = median(times.iter().map(|round| round[index]).collect());
+            let ratio = paged.map_or("-".to_string(), |paged| {
+                let ratios = times.iter().map(|round| round[index] / round[paged]);
+                format!("{:.2}", median(ratios.collect()))
+            });
             println!(
-                "| {count} | {stored}, {longest} | {way} | {:.0} | {:.2} | {:.1} MB | {:.1}x |",
+                "| {count} | {stored}, {longest} | {} | {:.0} | {:.2} | {ratio} | {:.1} MB | {:.1}x |",
+                way.label(),
                 count as f64 / seconds,
                 seconds * 1e3,
-                bytes as f64 / 1e6,
-                seconds / (bytes as f64 / bandwidth)
+                *bytes as f64 / 1e6,
+                seconds / (*bytes as f64 / bandwidth)
             );
         }
     }
+}
+
+/// The median of `values`.
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values[values.len() / 2]
 }
 
 fn random(shape: [usize; 3], device: &Device) -> Tensor<3> {
     Tensor::random(shape, Distribution::Default, device)
 }
 
-/// The median of `rounds` runs of `round`, in seconds.
-fn median_seconds(rounds: usize, mut round: impl FnMut()) -> f64 {
-    let mut times: Vec<f64> = (0..rounds)
-        .map(|_| {
-            let started = Instant::now();
-            round();
-            started.elapsed().as_secs_f64()
-        })
-        .collect();
-    times.sort_by(f64::total_cmp);
-    times[times.len() / 2]
-}
-
-/// Seconds per round of one paged step for every sequence.
-fn paged_round(
-    module: &MultiHeadAttention,
+/// A round of one paged step for every sequence (the pool sized for `rounds` of them).
+fn paged_round<'a>(
+    module: &'a MultiHeadAttention,
     lengths: &[usize],
     rounds: usize,
     sizes: &Sizes,
     device: &Device,
-) -> f64 {
+) -> Box<dyn FnMut() + 'a> {
     let block_size = sizes.block_size;
     let blocks: usize = lengths
         .iter()
@@ -112,7 +177,7 @@ fn paged_round(
             .expect("the pool was sized for the run");
     }
     let tokens = random([1, ids.len(), sizes.d_model], device).reshape([ids.len(), sizes.d_model]);
-    median_seconds(rounds, || {
+    Box::new(move || {
         let output = module
             .forward_paged(tokens.clone(), &mut cache, &ids)
             .expect("the pool was sized for the run");
@@ -120,14 +185,13 @@ fn paged_round(
     })
 }
 
-/// Seconds per round of one step of a batch padded to the longest sequence.
-fn padded_round(
-    module: &MultiHeadAttention,
+/// A round of one step of a batch padded to the longest sequence.
+fn padded_round<'a>(
+    module: &'a MultiHeadAttention,
     lengths: &[usize],
-    rounds: usize,
     sizes: &Sizes,
     device: &Device,
-) -> f64 {
+) -> Box<dyn FnMut() + 'a> {
     let (count, longest) = (lengths.len(), *lengths.iter().max().expect("a sequence"));
     // Each sequence's prompt at the end of the padded rows (left padding), so that every row's
     // next token follows its own prompt.
@@ -148,7 +212,7 @@ fn padded_round(
         )
         .expect("an unbounded cache");
     let tokens = random([count, 1, sizes.d_model], device);
-    median_seconds(rounds, || {
+    Box::new(move || {
         let output = module
             .forward_cached(MhaInput::self_attn(tokens.clone()).causal(), &mut cache)
             .expect("an unbounded cache");
@@ -156,14 +220,13 @@ fn padded_round(
     })
 }
 
-/// Seconds per round of one step per sequence, each with its own cache.
-fn one_at_a_time_round(
-    module: &MultiHeadAttention,
+/// A round of one step per sequence, each with its own cache.
+fn one_at_a_time_round<'a>(
+    module: &'a MultiHeadAttention,
     lengths: &[usize],
-    rounds: usize,
     sizes: &Sizes,
     device: &Device,
-) -> f64 {
+) -> Box<dyn FnMut() + 'a> {
     let mut caches: Vec<KvCache> = lengths
         .iter()
         .map(|&len| {
@@ -178,7 +241,7 @@ fn one_at_a_time_round(
         })
         .collect();
     let token = random([1, 1, sizes.d_model], device);
-    median_seconds(rounds, || {
+    Box::new(move || {
         for cache in &mut caches {
             let output = module
                 .forward_cached(MhaInput::self_attn(token.clone()).causal(), cache)

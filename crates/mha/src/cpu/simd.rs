@@ -155,7 +155,7 @@ mod avx512 {
     /// `e^88`, NaN kept.
     #[inline]
     #[target_feature(enable = "avx512f")]
-    fn exp(x: __m512) -> __m512 {
+    pub(super) fn exp(x: __m512) -> __m512 {
         const LOG2_E: f32 = std::f32::consts::LOG2_E;
         // Lanes not below the flush threshold, NaN included (unordered compares true).
         let kept = _mm512_cmp_ps_mask::<_CMP_NLT_UQ>(x, _mm512_set1_ps(super::FLUSH_BELOW));
@@ -349,194 +349,8 @@ dispatch! {
     }
 }
 
-/// Queries [`query_key_dots`] takes at once: their accumulators for a 64-wide row fill 16 of
-/// AVX-512's 32 registers.
-const DOT_QUERIES: usize = 4;
-
-/// `scores[q · score_stride + k]` ← `queries[q] · keys[k · key_stride..][..width]` for the
-/// `count` key rows: the scores of several query rows that share their keys (the query heads of
-/// a key/value head in a decoding step), reading each key row once for four of them.
-///
-/// # Panics
-///
-/// If the queries differ in width, `keys` holds fewer than `count` rows of that width at
-/// `key_stride`, or `scores` is too short for `queries.len()` rows of `count` at `score_stride`.
-pub(crate) fn query_key_dots(
-    scores: &mut [f32],
-    score_stride: usize,
-    queries: &[&[f32]],
-    keys: &[f32],
-    key_stride: usize,
-    count: usize,
-) {
-    let width = query_width(queries, scores.len(), score_stride, count);
-    assert!(
-        width.is_some_and(|width| count == 0 || (count - 1) * key_stride + width <= keys.len()),
-        "query_key_dots: {} queries of width {width:?} against {count} key rows (stride {key_stride}, \
-         {} values) into {} scores (stride {score_stride})",
-        queries.len(),
-        keys.len(),
-        scores.len()
-    );
-    let width = width.expect("checked above");
-    query_key_dots_checked(
-        scores,
-        score_stride,
-        queries,
-        keys,
-        key_stride,
-        count,
-        width,
-    );
-}
-
-dispatch! {
-    fn query_key_dots_checked(
-        scores: &mut [f32],
-        score_stride: usize,
-        queries: &[&[f32]],
-        keys: &[f32],
-        key_stride: usize,
-        count: usize,
-        width: usize
-    ) -> () {
-        let whole = width / LANES * LANES;
-        for (group, group_queries) in queries.chunks(DOT_QUERIES).enumerate() {
-            let four = four_queries(group_queries);
-            for key in 0..count {
-                let row = &keys[key * key_stride..][..width];
-                let mut lanes = [[0.0f32; LANES]; DOT_QUERIES];
-                for start in (0..whole).step_by(LANES) {
-                    let keys: &[f32; LANES] =
-                        row[start..start + LANES].try_into().expect("a lane chunk");
-                    for q in 0..DOT_QUERIES {
-                        let query: &[f32; LANES] =
-                            four[q][start..start + LANES].try_into().expect("a lane chunk");
-                        for lane in 0..LANES {
-                            lanes[q][lane] = mul_add::<FMA>(query[lane], keys[lane], lanes[q][lane]);
-                        }
-                    }
-                }
-                for (q, query) in four.iter().enumerate().take(group_queries.len()) {
-                    let tail: f32 = row[whole..]
-                        .iter()
-                        .zip(&query[whole..])
-                        .map(|(k, q)| k * q)
-                        .sum();
-                    let query_row = group * DOT_QUERIES + q;
-                    scores[query_row * score_stride + key] = tail + lane_sum(lanes[q]);
-                }
-            }
-        }
-    }
-}
-
-/// `scores[q · score_stride + k]` ← `Σ_d queries[q][d] · keys[d · key_stride + k]` for the
-/// `count` keys of a feature-major block (`[dim, block_size]`: each feature's keys side by side):
-/// sixteen keys' scores per vector product, with no horizontal sums, for four query rows at a
-/// time that share the keys.
-///
-/// # Panics
-///
-/// If the queries differ in width, `keys` is too short for `width` feature rows of `count` keys
-/// at `key_stride`, or `scores` for `queries.len()` rows of `count` at `score_stride`.
-pub(crate) fn query_key_column_dots(
-    scores: &mut [f32],
-    score_stride: usize,
-    queries: &[&[f32]],
-    keys: &[f32],
-    key_stride: usize,
-    count: usize,
-) {
-    let width = query_width(queries, scores.len(), score_stride, count);
-    assert!(
-        width.is_some_and(|width| {
-            width == 0 || count == 0 || (width - 1) * key_stride + count <= keys.len()
-        }),
-        "query_key_column_dots: {} queries of width {width:?} against {count} key columns (stride \
-         {key_stride}, {} values) into {} scores (stride {score_stride})",
-        queries.len(),
-        keys.len(),
-        scores.len()
-    );
-    let width = width.expect("checked above");
-    query_key_column_dots_checked(
-        scores,
-        score_stride,
-        queries,
-        keys,
-        key_stride,
-        count,
-        width,
-    );
-}
-
-dispatch! {
-    fn query_key_column_dots_checked(
-        scores: &mut [f32],
-        score_stride: usize,
-        queries: &[&[f32]],
-        keys: &[f32],
-        key_stride: usize,
-        count: usize,
-        width: usize
-    ) -> () {
-        for (group, group_queries) in queries.chunks(DOT_QUERIES).enumerate() {
-            let four = four_queries(group_queries);
-            for first in (0..count).step_by(LANES) {
-                let lanes_used = LANES.min(count - first);
-                let mut sums = [[0.0f32; LANES]; DOT_QUERIES];
-                // Indices over fixed-size arrays, so that the sums stay in registers.
-                #[allow(clippy::needless_range_loop)]
-                for feature in 0..width {
-                    let start = feature * key_stride + first;
-                    let mut row = [0.0f32; LANES];
-                    if lanes_used == LANES {
-                        row = keys[start..start + LANES].try_into().expect("a lane chunk");
-                    } else {
-                        row[..lanes_used].copy_from_slice(&keys[start..start + lanes_used]);
-                    }
-                    for q in 0..DOT_QUERIES {
-                        let weight = four[q][feature];
-                        for lane in 0..LANES {
-                            sums[q][lane] = mul_add::<FMA>(weight, row[lane], sums[q][lane]);
-                        }
-                    }
-                }
-                for (q, sums) in sums.iter().enumerate().take(group_queries.len()) {
-                    let query_row = group * DOT_QUERIES + q;
-                    scores[query_row * score_stride + first..][..lanes_used]
-                        .copy_from_slice(&sums[..lanes_used]);
-                }
-            }
-        }
-    }
-}
-
-/// The width of `queries` if they all have one, and `scores` holds `queries.len()` rows of
-/// `count` at `score_stride` (the checks [`query_key_dots`] and [`query_key_column_dots`]
-/// share); `None` otherwise.
-fn query_width(
-    queries: &[&[f32]],
-    scores: usize,
-    score_stride: usize,
-    count: usize,
-) -> Option<usize> {
-    let width = queries.first().map_or(0, |query| query.len());
-    let fits = queries.is_empty() || (queries.len() - 1) * score_stride + count <= scores;
-    (queries.iter().all(|query| query.len() == width) && fits && count <= score_stride)
-        .then_some(width)
-}
-
-/// One to four query rows as always four (the last repeated), so that the score loops have
-/// constant bounds and their accumulators stay in registers; only the real rows are written.
-#[inline(always)]
-fn four_queries<'q>(queries: &[&'q [f32]]) -> [&'q [f32]; DOT_QUERIES] {
-    std::array::from_fn(|q| queries[q.min(queries.len() - 1)])
-}
-
 /// The sum of `lanes` by halving (8 + 8, 4 + 4, …): four vector adds where a left-to-right sum
-/// is fifteen dependent scalar ones, which made [`query_key_dots`] latency-bound.
+/// is fifteen dependent scalar ones, which made the score loops latency-bound.
 #[inline(always)]
 fn lane_sum(mut lanes: [f32; LANES]) -> f32 {
     let mut half = LANES / 2;
@@ -612,6 +426,25 @@ fn exp<const FMA: bool>(x: f32) -> f32 {
     let two_to_n = f32::from_bits(exponent);
     if x < -87.3 { 0.0 } else { p * two_to_n }
 }
+
+/// Asks the CPU to bring the first `len` elements of `values` (or all, if fewer) into its
+/// caches: a hint, with no effect on results.
+pub(crate) fn prefetch(values: &[f32], len: usize) {
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (values, len);
+    #[cfg(target_arch = "x86_64")]
+    for line in values[..len.min(values.len())].chunks(16) {
+        // SAFETY: prefetching never faults and reads no value; the address is in `values`.
+        unsafe {
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                line.as_ptr().cast(),
+            )
+        };
+    }
+}
+
+mod online;
+pub(crate) use online::{KeyLayout, KeyTile, LogitRule, OnlineRow, attend_tile};
 
 #[cfg(test)]
 mod tests;

@@ -18,7 +18,7 @@ use super::step::StepHeads;
 use super::store::BlockLayout;
 use crate::alibi::alibi_slopes;
 use crate::cache::CacheStorage;
-use crate::cpu::matrix::{HeadIndex, HeadsView, Matrix};
+use crate::cpu::matrix::{HeadIndex, HeadsView};
 use crate::cpu::simd;
 use crate::cpu::storage::{CpuStorage, native_storage};
 use crate::module::MultiHeadAttention;
@@ -300,57 +300,30 @@ fn check_inputs(
     );
 }
 
-/// Keys and values of consecutive positions `positions` of one key/value head; row `i` of
-/// `values` is position `positions.start + i`.
-struct KeyChunk<'a> {
+/// Consecutive positions of a sequence that one tile covers, for every key/value head: a
+/// stored block's (or part of one), or the step's new rows.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Chunk {
     positions: Range<usize>,
-    keys: ChunkKeys<'a>,
-    values: Matrix<'a>,
+    source: ChunkSource,
 }
 
-/// A chunk's keys as they lie: a block's feature-major columns, or the step's new rows.
-#[derive(Clone, Copy)]
-enum ChunkKeys<'a> {
-    /// `[head_dim, positions]`: column `i` is position `positions.start + i`.
-    Columns(Matrix<'a>),
-    /// `[positions, head_dim]`.
-    Rows(Matrix<'a>),
+/// Where a chunk's keys and values lie.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ChunkSource {
+    /// Index `index` of the block table, from `offset` positions into the block.
+    Stored { index: usize, offset: usize },
+    /// The step's rows from `row` on.
+    New { row: usize },
 }
 
-impl ChunkKeys<'_> {
-    /// `scores[q · score_stride + i]` ← query row `q` · key `i`.
-    fn scores(self, scores: &mut [f32], score_stride: usize, queries: &[&[f32]]) {
-        match self {
-            Self::Columns(keys) => simd::query_key_column_dots(
-                scores,
-                score_stride,
-                queries,
-                keys.values,
-                keys.row_stride,
-                keys.columns,
-            ),
-            Self::Rows(keys) => simd::query_key_dots(
-                scores,
-                score_stride,
-                queries,
-                keys.values,
-                keys.row_stride,
-                keys.rows,
-            ),
-        }
-    }
-}
-
-/// The key chunks query position `position` of `sequence` sees, in order: its stored
+/// The chunks a query of `sequence` that sees positions `visible` reads, in order: its stored
 /// positions block by block, then the step's new ones up to its own.
-fn key_chunks<'a>(
-    views: &'a Views,
-    sizes: Sizes,
-    sequence: &'a PagedSequence,
-    kv_head: usize,
+fn chunks(
+    sequence: &PagedSequence,
+    block_size: usize,
     visible: Range<usize>,
-) -> impl Iterator<Item = KeyChunk<'a>> + 'a {
-    let block_size = sizes.block_size;
+) -> impl Iterator<Item = Chunk> + '_ {
     let stored = visible.start..visible.end.min(sequence.past);
     let blocks = if stored.is_empty() {
         0..0
@@ -360,54 +333,75 @@ fn key_chunks<'a>(
     let stored_chunks = blocks.map(move |index| {
         let first = (index * block_size).max(stored.start);
         let end = ((index + 1) * block_size).min(stored.end);
-        let head = HeadIndex {
-            batch: sequence.blocks[index],
-            head: kv_head,
-        };
-        let offset = first - index * block_size;
-        KeyChunk {
+        Chunk {
             positions: first..end,
-            keys: ChunkKeys::Columns(views.key_blocks.head(head).columns(offset, end - first)),
-            values: views.value_blocks.head(head).rows(offset, end - first),
+            source: ChunkSource::Stored {
+                index,
+                offset: first - index * block_size,
+            },
         }
     });
     let new = visible.start.max(sequence.past)..visible.end;
-    let new_chunk = (!new.is_empty()).then(|| {
-        let head = HeadIndex {
-            batch: 0,
-            head: kv_head,
-        };
-        let row = sequence.rows.start + new.start - sequence.past;
-        KeyChunk {
-            positions: new.clone(),
-            keys: ChunkKeys::Rows(views.new_key.head(head).rows(row, new.len())),
-            values: views.new_value.head(head).rows(row, new.len()),
-        }
+    let new_chunk = (!new.is_empty()).then(|| Chunk {
+        source: ChunkSource::New {
+            row: sequence.rows.start + new.start - sequence.past,
+        },
+        positions: new,
     });
     stored_chunks.chain(new_chunk)
 }
 
-/// The online softmax of one query head: the running maximum and sum of its row's
-/// exponentials (its weighted sum of values lives in the output).
-struct RowState {
-    max: f32,
-    sum: f32,
+/// `chunk`'s keys and values of key/value head `kv_head`, where they lie.
+fn tile<'a>(
+    views: &Views<'a>,
+    sequence: &PagedSequence,
+    kv_head: usize,
+    chunk: &Chunk,
+) -> simd::KeyTile<'a> {
+    let count = chunk.positions.len();
+    let (keys, layout, values) = match chunk.source {
+        ChunkSource::Stored { index, offset } => {
+            let head = HeadIndex {
+                batch: sequence.blocks[index],
+                head: kv_head,
+            };
+            (
+                views.key_blocks.head(head).columns(offset, count),
+                simd::KeyLayout::Columns,
+                views.value_blocks.head(head).rows(offset, count),
+            )
+        }
+        ChunkSource::New { row } => {
+            let head = HeadIndex {
+                batch: 0,
+                head: kv_head,
+            };
+            (
+                views.new_key.head(head).rows(row, count),
+                simd::KeyLayout::Rows,
+                views.new_value.head(head).rows(row, count),
+            )
+        }
+    };
+    simd::KeyTile {
+        keys: keys.values,
+        key_stride: keys.row_stride,
+        layout,
+        values: values.values,
+        value_stride: values.row_stride,
+        count,
+    }
 }
 
-/// Keys a query scores before its softmax statistics are updated (whole chunks, so a window is
-/// at least a block).
-///
-/// Why one block of the default size: a task walks each block's key/value heads in turn,
-/// which lie side by side in the pool, so its reads run on through memory block after block.
-/// Windows of 256 keys (a rescale per 16 blocks instead of per block, but each head's 16
-/// blocks read before the next head's) took 3.67-4.18 ms per step against 2.76-3.65 ms at
-/// 32 sequences of 128-4096 positions (`decoding` bench, the two binaries alternated three
-/// times, AMD EPYC Zen 5, 2 cores).
-const WINDOW_KEYS: usize = 16;
+/// Chunks a task asks the CPU for ahead of the one it computes: a block's keys and values
+/// are a few KiB each, and the hardware prefetchers do not follow the block table from one to
+/// the next (at 32 sequences of 128-4096 positions the step took about 40% longer without).
+const PREFETCH_CHUNKS: usize = 2;
 
-/// The outputs of `sequence`'s rows, `[rows, n_heads, head_dim]`: row by row, window by
-/// window of its keys, every key/value head in turn within a window, so that the task reads
-/// each block's heads (adjacent in the pool) one after the other.
+/// The outputs of `sequence`'s rows, `[rows, n_heads, head_dim]`: row by row, chunk by chunk
+/// of its keys (a block at most), every key/value head in turn within a chunk, so that the task
+/// reads each block's heads (adjacent in the pool) one after the other; each (chunk, key/value
+/// head) is one [`simd::attend_tile`] for the query heads that share it.
 fn sequence_output(
     views: &Views,
     sizes: Sizes,
@@ -424,224 +418,87 @@ fn sequence_output(
     let group = n_heads / n_kv_heads;
     let width = n_heads * head_dim;
     let mut output = vec![0.0f32; sequence.rows.len() * width];
-    // Room for a window of whole chunks: a chunk is at most a block or the step's rows.
-    let window = WINDOW_KEYS.max(block_size).max(sequence.rows.len());
-    let mut works: Vec<WindowWork> = (0..n_kv_heads)
-        .map(|kv_head| WindowWork {
-            scores: vec![0.0f32; group * window],
-            chunk_sums: vec![0.0f32; group * head_dim],
-            window,
-            head_dim,
-            heads: (0..group).map(|g| kv_head * group + g).collect(),
-            queries: vec![0.0f32; group * head_dim],
-        })
-        .collect();
+    let mut queries = vec![0.0f32; width];
+    let mut maxima = vec![f32::NEG_INFINITY; n_heads];
+    let mut sums = vec![0.0f32; n_heads];
+    let mut row_chunks = Vec::new();
     for (local, row) in sequence.rows.clone().enumerate() {
         let position = sequence.past + local;
         let first = params
             .window
             .map_or(0, |window| (position + 1).saturating_sub(window));
-        let visible = first..position + 1;
-        let mut chunks = Vec::with_capacity(n_kv_heads);
-        for (kv_head, work) in works.iter_mut().enumerate() {
-            // The queries scaled once, so that the dot products are the scores.
-            for (g, &head) in work.heads.iter().enumerate() {
-                let query = views.query.row(HeadIndex { batch: 0, head }, row);
-                let scaled = &mut work.queries[g * head_dim..][..head_dim];
-                simd::scaled_copy(scaled, query, params.scale);
-            }
-            let head_chunks: Vec<KeyChunk> =
-                key_chunks(views, sizes, sequence, kv_head, visible.clone()).collect();
-            chunks.push(head_chunks);
+        // The queries scaled once, so that the dot products are the scores.
+        for head in 0..n_heads {
+            let query = views.query.row(HeadIndex { batch: 0, head }, row);
+            simd::scaled_copy(
+                &mut queries[head * head_dim..][..head_dim],
+                query,
+                params.scale,
+            );
         }
-        // Every head's chunks cover the same positions: one set of windows for all.
-        let windows = windows_of(&chunks[0], window);
-        let mut states: Vec<RowState> = (0..n_heads)
-            .map(|_| RowState {
-                max: f32::NEG_INFINITY,
-                sum: 0.0,
-            })
-            .collect();
-        let accumulators = &mut output[local * width..][..width];
-        for chunk_range in &windows {
-            let head_parts = accumulators
-                .chunks_exact_mut(group * head_dim)
-                .zip(states.chunks_exact_mut(group));
-            for ((work, head_chunks), (head_accumulators, head_states)) in
-                works.iter_mut().zip(&chunks).zip(head_parts)
-            {
-                let row = QueryRow {
-                    position,
-                    accumulators: head_accumulators,
-                    states: head_states,
+        maxima.fill(f32::NEG_INFINITY);
+        sums.fill(0.0);
+        let outputs = &mut output[local * width..][..width];
+        row_chunks.clear();
+        row_chunks.extend(chunks(sequence, block_size, first..position + 1));
+        for (index, chunk) in row_chunks.iter().enumerate() {
+            if let Some(ahead) = row_chunks.get(index + PREFETCH_CHUNKS) {
+                for kv_head in 0..n_kv_heads {
+                    prefetch(&tile(views, sequence, kv_head, ahead), head_dim);
+                }
+            }
+            for kv_head in 0..n_kv_heads {
+                let heads = kv_head * group..(kv_head + 1) * group;
+                let features = heads.start * head_dim..heads.end * head_dim;
+                let mut online = simd::OnlineRow {
+                    queries: &queries[features.clone()],
+                    outputs: &mut outputs[features],
+                    maxima: &mut maxima[heads.clone()],
+                    sums: &mut sums[heads.clone()],
                 };
-                work.attend(&head_chunks[chunk_range.clone()], row, params);
+                let rule = simd::LogitRule {
+                    softcap: params.softcap,
+                    alibi: params.alibi.as_ref().map(|slopes| &slopes[heads.clone()]),
+                    first_distance: position - chunk.positions.start,
+                };
+                simd::attend_tile(&mut online, tile(views, sequence, kv_head, chunk), rule);
             }
         }
-        let head_parts = accumulators
-            .chunks_exact_mut(group * head_dim)
-            .zip(states.chunks_exact_mut(group));
-        for (work, (head_accumulators, head_states)) in works.iter().zip(head_parts) {
-            work.normalize(head_accumulators, head_states, params);
-        }
+        normalize(outputs, &maxima, &sums, params, head_dim);
     }
     output
 }
 
-/// One query row of a task: its position, its heads' outputs (`group × head_dim`, the running
-/// weighted sums of values until normalised) and softmax statistics.
-struct QueryRow<'a> {
-    position: usize,
-    accumulators: &'a mut [f32],
-    states: &'a mut [RowState],
+/// Asks the CPU for `tile`'s keys (of `dim` features) and values.
+fn prefetch(tile: &simd::KeyTile, dim: usize) {
+    let keys = match tile.layout {
+        simd::KeyLayout::Columns => dim * tile.key_stride,
+        simd::KeyLayout::Rows => tile.count * tile.key_stride,
+    };
+    simd::prefetch(tile.keys, keys);
+    simd::prefetch(tile.values, tile.count * tile.value_stride);
 }
 
-/// A task's buffers and its query heads.
-struct WindowWork {
-    /// `group` rows of `window` scores.
-    scores: Vec<f32>,
-    /// One chunk's weighted sums of values, `group × head_dim`.
-    chunk_sums: Vec<f32>,
-    window: usize,
+/// Divides each head's output by its softmax sum, the sink's term (if any) added first.
+fn normalize(
+    outputs: &mut [f32],
+    maxima: &[f32],
+    sums: &[f32],
+    params: &PagedParams,
     head_dim: usize,
-    /// The query heads of the task's key/value head.
-    heads: Vec<usize>,
-    /// The current row's queries, scaled, `group × head_dim`.
-    queries: Vec<f32>,
-}
-
-impl WindowWork {
-    /// Adds one window of key chunks (consecutive positions) to `row`: their scores, the
-    /// online softmax's rescale once for the window, the values weighted by the exponentials.
-    fn attend(&mut self, chunks: &[KeyChunk], row: QueryRow, params: &PagedParams) {
-        let (window, head_dim, group) = (self.window, self.head_dim, self.heads.len());
-        let mut filled = 0;
-        with_rows(&self.queries, head_dim, group, |query_rows| {
-            for chunk in chunks {
-                let scores = &mut self.scores[filled..];
-                chunk.keys.scores(scores, window, query_rows);
-                filled += chunk.positions.len();
-            }
-        });
-        let first_distance = row.position - chunks[0].positions.start;
-        for (g, state) in row.states.iter_mut().enumerate() {
-            let row_scores = &mut self.scores[g * window..][..filled];
-            finish_scores(row_scores, params, self.heads[g], first_distance);
-            let max = state.max.max(simd::max(row_scores));
-            let correction = (state.max - max).exp();
-            state.sum = state.sum * correction + simd::exp_shifted(row_scores, max);
-            state.max = max;
-            if correction != 1.0 {
-                row.accumulators[g * head_dim..][..head_dim]
-                    .iter_mut()
-                    .for_each(|a| *a *= correction);
-            }
+) {
+    for (head, output) in outputs.chunks_exact_mut(head_dim).enumerate() {
+        let (mut max, mut sum) = (maxima[head], sums[head]);
+        let mut scale = 1.0;
+        if let Some(sinks) = &params.sinks {
+            let sink = sinks[head];
+            let with_sink = max.max(sink);
+            scale = (max - with_sink).exp();
+            sum = sum * scale + (sink - with_sink).exp();
+            max = with_sink;
         }
-        let mut offset = 0;
-        for chunk in chunks {
-            let count = chunk.positions.len();
-            let values = chunk.values;
-            let scores = &self.scores[offset..];
-            with_rows(scores, window, group, |weights| {
-                let weights = weights.iter().map(|row| &row[..count]);
-                with_collected(weights, group, |weights| {
-                    simd::weighted_row_sums(
-                        &mut self.chunk_sums,
-                        weights,
-                        values.values,
-                        values.row_stride,
-                    );
-                });
-            });
-            row.accumulators
-                .iter_mut()
-                .zip(&self.chunk_sums)
-                .for_each(|(a, s)| *a += s);
-            offset += count;
-        }
-    }
-
-    /// Divides each head's output by its softmax sum, the sink's term (if any) added first.
-    fn normalize(&self, accumulators: &mut [f32], states: &mut [RowState], params: &PagedParams) {
-        let head_dim = self.head_dim;
-        for (g, state) in states.iter_mut().enumerate() {
-            let accumulator = &mut accumulators[g * head_dim..][..head_dim];
-            if let Some(sinks) = &params.sinks {
-                let sink = sinks[self.heads[g]];
-                let max = state.max.max(sink);
-                let correction = (state.max - max).exp();
-                state.sum = state.sum * correction + (sink - max).exp();
-                accumulator.iter_mut().for_each(|a| *a *= correction);
-            }
-            let inverse = 1.0 / state.sum;
-            accumulator.iter_mut().for_each(|a| *a *= inverse);
-        }
-    }
-}
-
-/// Query heads per key/value head that [`with_rows`] and [`with_collected`] hold on the stack;
-/// larger groups go through a `Vec` (an allocation per call, on a path no common model takes).
-const STACK_ROWS: usize = 16;
-
-/// `run` on the `count` rows of `stride` elements at the start of `values` (the last may be
-/// shorter), without allocating for up to [`STACK_ROWS`] of them: the kernel calls this per
-/// block and head, where a `Vec` per call cost as much as the arithmetic.
-fn with_rows<'v, R>(
-    values: &'v [f32],
-    stride: usize,
-    count: usize,
-    run: impl FnOnce(&[&'v [f32]]) -> R,
-) -> R {
-    let rows = (0..count).map(|row| {
-        let start = row * stride;
-        &values[start..values.len().min(start + stride)]
-    });
-    with_collected(rows, count, run)
-}
-
-/// `run` on the `count` slices of `rows`, on the stack for up to [`STACK_ROWS`].
-fn with_collected<'v, R>(
-    rows: impl Iterator<Item = &'v [f32]>,
-    count: usize,
-    run: impl FnOnce(&[&'v [f32]]) -> R,
-) -> R {
-    if count <= STACK_ROWS {
-        let mut stack: [&[f32]; STACK_ROWS] = [&[]; STACK_ROWS];
-        for (slot, row) in stack.iter_mut().zip(rows) {
-            *slot = row;
-        }
-        run(&stack[..count])
-    } else {
-        run(&rows.collect::<Vec<_>>())
-    }
-}
-
-/// `chunks` cut into consecutive runs of at most `window` keys (a chunk longer than that on its
-/// own), as ranges of chunk indices.
-fn windows_of(chunks: &[KeyChunk], window: usize) -> Vec<Range<usize>> {
-    let mut windows = Vec::new();
-    let (mut start, mut filled) = (0, 0);
-    for (index, chunk) in chunks.iter().enumerate() {
-        let count = chunk.positions.len();
-        if index > start && filled + count > window {
-            windows.push(start..index);
-            (start, filled) = (index, 0);
-        }
-        filled += count;
-    }
-    if start < chunks.len() {
-        windows.push(start..chunks.len());
-    }
-    windows
-}
-
-/// `scores` (already `scale · q · k`) ← `cap(scores) + ALiBi` of query head `head` over
-/// consecutive keys, the first `first_distance` positions before the query.
-fn finish_scores(scores: &mut [f32], params: &PagedParams, head: usize, first_distance: usize) {
-    if let Some(cap) = params.softcap {
-        simd::soft_cap(scores, cap);
-    }
-    if let Some(slopes) = &params.alibi {
-        simd::add_distance_penalty(scores, first_distance as f32, -slopes[head]);
+        debug_assert!(max > f32::NEG_INFINITY, "a query sees at least itself");
+        let factor = scale / sum;
+        output.iter_mut().for_each(|value| *value *= factor);
     }
 }

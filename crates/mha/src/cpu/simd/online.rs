@@ -1,0 +1,481 @@
+//! One tile of keys and values added to a query row's online softmax, for the query heads that
+//! share a key/value head: the paged decoding step's inner loop in one call — scores, soft cap,
+//! ALiBi, the rescale, the exponentials and the weighted values — with the scores and sums in
+//! registers.
+//!
+//! Why one call: as four calls per block (scores, maximum, exponentials, weighted values) with
+//! the scores and a block's sums going through memory between them, the paged step at 32
+//! sequences of 128-4096 positions took about twice the time a loop reading the same blocks
+//! takes (see `docs/benchmarks.md`).
+
+use super::{LANES, NATIVE_FMA, VALUE_COLUMNS, exp, flushed_exp, lane_sum, mul_add, tanh};
+
+/// Query heads a tile's loops take at once: four rows of sixteen scores, and four rows of
+/// [`VALUE_COLUMNS`] weighted sums (16 of AVX-512's 32 registers).
+const HEADS: usize = 4;
+
+/// How a tile's keys lie in memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum KeyLayout {
+    /// Feature-major: feature `f` of key `i` at `keys[f · stride + i]` (a paged block).
+    Columns,
+    /// Position-major: key `i` is `keys[i · stride..][..dim]` (a step's new rows).
+    Rows,
+}
+
+/// Consecutive positions of one key/value head: their keys and values where they lie.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct KeyTile<'a> {
+    pub keys: &'a [f32],
+    pub key_stride: usize,
+    pub layout: KeyLayout,
+    /// Position `i`'s value is `values[i · value_stride..][..value_dim]`.
+    pub values: &'a [f32],
+    pub value_stride: usize,
+    /// Positions in the tile.
+    pub count: usize,
+}
+
+/// What turns a score (`scale · q · k`) into a logit: the soft cap, then ALiBi's penalty.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct LogitRule<'a> {
+    /// Scores become `cap · tanh(score / cap)`.
+    pub softcap: Option<f32>,
+    /// ALiBi's slope per query head of the row (the penalty is `-slope · distance`).
+    pub alibi: Option<&'a [f32]>,
+    /// The distance of the tile's first position before the query.
+    pub first_distance: usize,
+}
+
+/// A query row of the query heads of one key/value head, its online softmax under way.
+#[derive(Debug)]
+pub(crate) struct OnlineRow<'a> {
+    /// `heads × dim` queries, already multiplied by the softmax scale.
+    pub queries: &'a [f32],
+    /// `heads × value_dim`: each head's sum of values weighted by `e^(logit - max)`.
+    pub outputs: &'a mut [f32],
+    /// Each head's largest logit so far (`-∞` before the first tile).
+    pub maxima: &'a mut [f32],
+    /// Each head's sum of `e^(logit - max)` so far.
+    pub sums: &'a mut [f32],
+}
+
+/// Adds `tile`'s positions to `row`: for each query head, its logits, the rescale of its
+/// running sums to a new maximum, and the values weighted by the exponentials. Exponentials
+/// below `e^FLUSH_BELOW` of the maximum count as 0, as in the flash kernel.
+///
+/// # Panics
+///
+/// If the row's slices disagree on the number of heads, `tile` holds fewer than `count` keys
+/// of the queries' width or values of the outputs' width, or ALiBi has no slope per head.
+pub(crate) fn attend_tile(row: &mut OnlineRow, tile: KeyTile, rule: LogitRule) {
+    let heads = row.maxima.len();
+    assert!(
+        heads > 0
+            && row.sums.len() == heads
+            && row.queries.len().is_multiple_of(heads)
+            && row.outputs.len().is_multiple_of(heads)
+            && rule.alibi.is_none_or(|slopes| slopes.len() == heads),
+        "attend_tile: {} queries, {} outputs, {} maxima, {} sums do not make whole heads",
+        row.queries.len(),
+        row.outputs.len(),
+        heads,
+        row.sums.len()
+    );
+    let (dim, value_dim) = (row.queries.len() / heads, row.outputs.len() / heads);
+    let key_end = match tile.layout {
+        KeyLayout::Columns => (dim.max(1) - 1) * tile.key_stride + tile.count,
+        KeyLayout::Rows => (tile.count.max(1) - 1) * tile.key_stride + dim,
+    };
+    let value_end = (tile.count.max(1) - 1) * tile.value_stride + value_dim;
+    assert!(
+        tile.count == 0
+            || (key_end <= tile.keys.len()
+                && value_end <= tile.values.len()
+                && (tile.layout == KeyLayout::Rows || tile.count <= tile.key_stride)),
+        "attend_tile: {} positions need {key_end} keys and {value_end} values, the tile has {} \
+         and {}",
+        tile.count,
+        tile.keys.len(),
+        tile.values.len()
+    );
+    attend_tile_checked(row, &tile, &rule, dim, value_dim);
+}
+
+dispatch! {
+    fn attend_tile_checked(
+        row: &mut OnlineRow,
+        tile: &KeyTile,
+        rule: &LogitRule,
+        dim: usize,
+        value_dim: usize
+    ) -> () {
+        let heads = row.maxima.len();
+        for first in (0..tile.count).step_by(LANES) {
+            for head in (0..heads).step_by(HEADS) {
+                let part = TilePart {
+                    first,
+                    lanes: LANES.min(tile.count - first),
+                    head,
+                    heads: HEADS.min(heads - head),
+                    dim,
+                    value_dim,
+                };
+                #[cfg(target_arch = "x86_64")]
+                if avx512::takes(tile, rule, part) {
+                    // SAFETY: the CPU has AVX-512F (`takes` checked it), and `attend_tile`
+                    // checked that the tile holds its keys and values and the row whole heads.
+                    unsafe { avx512::attend_part(row, tile, part) };
+                    continue;
+                }
+                attend_part::<FMA>(row, tile, rule, part);
+            }
+        }
+    }
+}
+
+/// Up to [`LANES`] positions of a tile against up to [`HEADS`] query heads.
+#[derive(Debug, Clone, Copy)]
+struct TilePart {
+    /// The tile's first position in the part.
+    first: usize,
+    lanes: usize,
+    /// The row's first query head in the part.
+    head: usize,
+    heads: usize,
+    dim: usize,
+    value_dim: usize,
+}
+
+/// [`attend_tile`] on one part of the tile.
+///
+/// Every loop over a fixed-size array has constant bounds (heads past `part.heads` are computed
+/// and dropped, lanes past `part.lanes` masked), so that the arrays stay in registers: with
+/// bounds taken from `part` they went through the stack.
+#[inline(always)]
+fn attend_part<const FMA: bool>(
+    row: &mut OnlineRow,
+    tile: &KeyTile,
+    rule: &LogitRule,
+    part: TilePart,
+) {
+    let mut logits = if part.lanes == LANES && tile.layout == KeyLayout::Columns {
+        column_scores::<FMA>(row.queries, tile, part)
+    } else {
+        any_scores::<FMA>(row.queries, tile, part)
+    };
+    if let Some(cap) = rule.softcap {
+        for logits in &mut logits {
+            for logit in logits.iter_mut() {
+                *logit = cap * tanh::<FMA>(*logit / cap);
+            }
+        }
+    }
+    if let Some(slopes) = rule.alibi {
+        let first = rule.first_distance as f32 - part.first as f32;
+        for (h, logits) in logits.iter_mut().enumerate() {
+            let slope = slopes[part.head + h.min(part.heads - 1)];
+            for (lane, logit) in logits.iter_mut().enumerate() {
+                *logit -= slope * (first - lane as f32).abs();
+            }
+        }
+    }
+    let mut corrections = [1.0f32; HEADS];
+    for h in 0..HEADS {
+        let logits = &mut logits[h];
+        for (lane, logit) in logits.iter_mut().enumerate() {
+            if lane >= part.lanes {
+                *logit = f32::NEG_INFINITY;
+            }
+        }
+        let head = part.head + h.min(part.heads - 1);
+        let max = row.maxima[head].max(lane_max(*logits));
+        for logit in logits.iter_mut() {
+            *logit = flushed_exp::<FMA>(*logit - max);
+        }
+        // The first tile's correction is e^-∞ = 0, against sums that are still 0.
+        let correction = exp::<FMA>(row.maxima[head] - max);
+        if h < part.heads {
+            row.sums[head] = row.sums[head] * correction + lane_sum(*logits);
+            row.maxima[head] = max;
+            corrections[h] = correction;
+        }
+    }
+    weighted_values::<FMA>(row.outputs, tile, part, &logits, &corrections);
+}
+
+/// Query heads `part.head..` (the last repeated up to [`HEADS`]), each `part.dim` wide.
+#[inline(always)]
+fn part_queries<'q>(queries: &'q [f32], part: TilePart) -> [&'q [f32]; HEADS] {
+    std::array::from_fn(|h| {
+        let head = part.head + h.min(part.heads - 1);
+        &queries[head * part.dim..][..part.dim]
+    })
+}
+
+/// The scores `[head][lane]` of a whole part of feature-major keys ([`LANES`] positions).
+#[inline(always)]
+fn column_scores<const FMA: bool>(
+    queries: &[f32],
+    tile: &KeyTile,
+    part: TilePart,
+) -> [[f32; LANES]; HEADS] {
+    let query = part_queries(queries, part);
+    let mut sums = [[0.0f32; LANES]; HEADS];
+    // Indices over fixed-size arrays, so that the sums stay in registers.
+    #[allow(clippy::needless_range_loop)]
+    for feature in 0..part.dim {
+        let start = feature * tile.key_stride + part.first;
+        let keys: &[f32; LANES] = tile.keys[start..start + LANES]
+            .try_into()
+            .expect("a lane chunk");
+        for h in 0..HEADS {
+            let weight = query[h][feature];
+            for lane in 0..LANES {
+                sums[h][lane] = mul_add::<FMA>(weight, keys[lane], sums[h][lane]);
+            }
+        }
+    }
+    sums
+}
+
+/// The scores `[head][lane]` of any part (a last, partial block; the step's new rows), lanes
+/// past `part.lanes` left 0: one dot product per score.
+#[inline(always)]
+fn any_scores<const FMA: bool>(
+    queries: &[f32],
+    tile: &KeyTile,
+    part: TilePart,
+) -> [[f32; LANES]; HEADS] {
+    let query = part_queries(queries, part);
+    let mut sums = [[0.0f32; LANES]; HEADS];
+    for lane in 0..part.lanes {
+        let position = part.first + lane;
+        for (h, query) in query.iter().enumerate() {
+            sums[h][lane] = match tile.layout {
+                KeyLayout::Columns => query.iter().enumerate().fold(0.0, |sum, (feature, &q)| {
+                    mul_add::<FMA>(q, tile.keys[feature * tile.key_stride + position], sum)
+                }),
+                KeyLayout::Rows => query
+                    .iter()
+                    .zip(&tile.keys[position * tile.key_stride..][..part.dim])
+                    .fold(0.0, |sum, (&q, &k)| mul_add::<FMA>(q, k, sum)),
+            };
+        }
+    }
+    sums
+}
+
+/// The largest of `lanes` by halving, as [`lane_sum`] adds them.
+#[inline(always)]
+fn lane_max(mut lanes: [f32; LANES]) -> f32 {
+    let mut half = LANES / 2;
+    while half > 0 {
+        for lane in 0..half {
+            lanes[lane] = lanes[lane].max(lanes[lane + half]);
+        }
+        half /= 2;
+    }
+    lanes[0]
+}
+
+/// `outputs[head] ← outputs[head] · corrections[head] + Σ_lane weights[head][lane] · value[lane]`
+/// for the part's heads, [`VALUE_COLUMNS`] columns at a time.
+#[inline(always)]
+fn weighted_values<const FMA: bool>(
+    outputs: &mut [f32],
+    tile: &KeyTile,
+    part: TilePart,
+    weights: &[[f32; LANES]; HEADS],
+    corrections: &[f32; HEADS],
+) {
+    let value_dim = part.value_dim;
+    let value = |lane: usize, start: usize, columns: usize| {
+        &tile.values[(part.first + lane) * tile.value_stride + start..][..columns]
+    };
+    let mut start = 0;
+    while start + VALUE_COLUMNS <= value_dim {
+        let mut sums = [[0.0f32; VALUE_COLUMNS]; HEADS];
+        for lane in 0..part.lanes {
+            // Fixed-length rows, so that the sums stay in registers.
+            let value: &[f32; VALUE_COLUMNS] = value(lane, start, VALUE_COLUMNS)
+                .try_into()
+                .expect("a whole chunk");
+            for h in 0..HEADS {
+                let weight = weights[h][lane];
+                for column in 0..VALUE_COLUMNS {
+                    sums[h][column] = mul_add::<FMA>(weight, value[column], sums[h][column]);
+                }
+            }
+        }
+        for h in 0..HEADS {
+            if h < part.heads {
+                let output = &mut outputs[(part.head + h) * value_dim + start..][..VALUE_COLUMNS];
+                for (output, &sum) in output.iter_mut().zip(&sums[h]) {
+                    *output = mul_add::<FMA>(*output, corrections[h], sum);
+                }
+            }
+        }
+        start += VALUE_COLUMNS;
+    }
+    // The last columns of a width that is not a multiple of VALUE_COLUMNS, straight into the
+    // outputs.
+    if start < value_dim {
+        let columns = value_dim - start;
+        for h in 0..part.heads {
+            let output = &mut outputs[(part.head + h) * value_dim + start..][..columns];
+            output.iter_mut().for_each(|o| *o *= corrections[h]);
+            for lane in 0..part.lanes {
+                let weight = weights[h][lane];
+                for (output, &value) in output.iter_mut().zip(value(lane, start, columns)) {
+                    *output = mul_add::<FMA>(weight, value, *output);
+                }
+            }
+        }
+    }
+}
+
+/// [`attend_part`] on AVX-512 registers, for feature-major keys without soft cap or ALiBi and
+/// values a whole number of 16-lane vectors wide: the rest of a tile goes through the lane
+/// loops.
+///
+/// Why: compiled from the lane loops, the paged step at 32 sequences of 128-4096 positions
+/// (`decoding` bench, AMD EPYC Zen 5, 2 cores) spent 2.5-3.0 ms in this kernel where these
+/// registers took 1.5-2.0 ms: the loops kept their sums on the stack.
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    use super::{HEADS, KeyLayout, KeyTile, LANES, LogitRule, OnlineRow, TilePart};
+
+    /// Whether [`attend_part`] takes `part`: the CPU has AVX-512F, the keys are feature-major,
+    /// the logits are the scores and the values are whole vectors.
+    pub(super) fn takes(tile: &KeyTile, rule: &LogitRule, part: TilePart) -> bool {
+        tile.layout == KeyLayout::Columns
+            && rule.softcap.is_none()
+            && rule.alibi.is_none()
+            && part.value_dim.is_multiple_of(LANES)
+            && std::arch::is_x86_feature_detected!("avx512f")
+    }
+
+    /// [`super::attend_part`] for a part [`takes`] takes.
+    ///
+    /// # Safety
+    ///
+    /// The CPU has AVX-512F; `row` holds whole heads of `part.dim` queries and
+    /// `part.value_dim` outputs for heads `part.head..part.head + part.heads`; `tile.keys` holds
+    /// `(part.dim - 1) · key_stride + part.first + part.lanes` values and `tile.values`
+    /// `(part.first + part.lanes - 1) · value_stride + part.value_dim` (what `attend_tile`
+    /// checks).
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn attend_part(row: &mut OnlineRow, tile: &KeyTile, part: TilePart) {
+        let (dim, value_dim) = (part.dim, part.value_dim);
+        let head_of = |h: usize| part.head + h.min(part.heads - 1);
+        let lanes: __mmask16 = if part.lanes == LANES {
+            u16::MAX
+        } else {
+            (1u16 << part.lanes) - 1
+        };
+        let mut scores = [_mm512_setzero_ps(); HEADS];
+        // SAFETY (the loads): feature `f < dim` of query head `head_of(h)` is in `row.queries`;
+        // the masked key load reads lanes `< part.lanes` of row `f`, inside `tile.keys`.
+        unsafe {
+            let keys = tile.keys.as_ptr().add(part.first);
+            let queries: [*const f32; HEADS] =
+                std::array::from_fn(|h| row.queries.as_ptr().add(head_of(h) * dim));
+            for feature in 0..dim {
+                let key = _mm512_maskz_loadu_ps(lanes, keys.add(feature * tile.key_stride));
+                for h in 0..HEADS {
+                    let query = _mm512_set1_ps(*queries[h].add(feature));
+                    scores[h] = _mm512_fmadd_ps(query, key, scores[h]);
+                }
+            }
+        }
+        let mut weights = [[0.0f32; LANES]; HEADS];
+        let mut corrections = [1.0f32; HEADS];
+        for h in 0..part.heads {
+            let head = part.head + h;
+            let logits = _mm512_mask_blend_ps(lanes, _mm512_set1_ps(f32::NEG_INFINITY), scores[h]);
+            let max = row.maxima[head].max(_mm512_reduce_max_ps(logits));
+            let exponentials =
+                crate::cpu::simd::avx512::exp(_mm512_sub_ps(logits, _mm512_set1_ps(max)));
+            // The first tile's correction is e^-∞ = 0, against sums that are still 0.
+            let correction = super::exp::<true>(row.maxima[head] - max);
+            row.sums[head] = row.sums[head] * correction + _mm512_reduce_add_ps(exponentials);
+            row.maxima[head] = max;
+            corrections[h] = correction;
+            // SAFETY: `weights[h]` is 16 floats.
+            unsafe { _mm512_storeu_ps(weights[h].as_mut_ptr(), exponentials) };
+        }
+        let mut start = 0;
+        while start < value_dim {
+            let vectors = (value_dim - start) / LANES;
+            // SAFETY: columns `start..start + 16 · vectors` of the part's value rows and of its
+            // heads' outputs are inside `tile.values` and `row.outputs`.
+            unsafe {
+                match vectors {
+                    1 => value_pass::<1>(row, tile, part, &weights, &corrections, start),
+                    2 => value_pass::<2>(row, tile, part, &weights, &corrections, start),
+                    3 => value_pass::<3>(row, tile, part, &weights, &corrections, start),
+                    _ => value_pass::<4>(row, tile, part, &weights, &corrections, start),
+                }
+            }
+            start += LANES * vectors.min(4);
+        }
+    }
+
+    /// `outputs[head][start..][..16 · VECTORS] ← outputs · correction + Σ_lane weight · value`
+    /// for the part's heads, the sums in registers.
+    ///
+    /// # Safety
+    ///
+    /// As [`attend_part`], and `start + 16 · VECTORS ≤ part.value_dim`.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn value_pass<const VECTORS: usize>(
+        row: &mut OnlineRow,
+        tile: &KeyTile,
+        part: TilePart,
+        weights: &[[f32; LANES]; HEADS],
+        corrections: &[f32; HEADS],
+        start: usize,
+    ) {
+        let mut sums = [[_mm512_setzero_ps(); VECTORS]; HEADS];
+        // SAFETY: value row `part.first + lane` (lane < part.lanes) and its columns `start..start
+        // + 16 · VECTORS` are inside `tile.values`; output columns likewise inside `row.outputs`
+        // for heads below `part.head + part.heads`.
+        unsafe {
+            let values = tile
+                .values
+                .as_ptr()
+                .add(part.first * tile.value_stride + start);
+            for lane in 0..part.lanes {
+                let value_row = values.add(lane * tile.value_stride);
+                for v in 0..VECTORS {
+                    let value = _mm512_loadu_ps(value_row.add(v * LANES));
+                    for h in 0..HEADS {
+                        let weight = _mm512_set1_ps(weights[h][lane]);
+                        sums[h][v] = _mm512_fmadd_ps(weight, value, sums[h][v]);
+                    }
+                }
+            }
+            for h in 0..part.heads {
+                let output = row
+                    .outputs
+                    .as_mut_ptr()
+                    .add((part.head + h) * part.value_dim + start);
+                let correction = _mm512_set1_ps(corrections[h]);
+                for v in 0..VECTORS {
+                    let old = _mm512_loadu_ps(output.add(v * LANES));
+                    _mm512_storeu_ps(
+                        output.add(v * LANES),
+                        _mm512_fmadd_ps(old, correction, sums[h][v]),
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;
