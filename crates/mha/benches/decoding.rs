@@ -9,7 +9,7 @@
 //!
 //! `cargo bench --workspace --features burn-mha/wgpu,train-demo/ndarray,train-demo/wgpu --bench decoding`
 //! (options: `--positions 512,4096,16384`, `--steps 64`, `--concurrent 1,8,32`, `--rounds 16`, `--block-size 16`,
-//! `--ways paged,padded,single`;
+//! `--ways paged,padded,single`, `--storage float,int8`;
 //! an empty list skips its table).
 
 use std::time::Instant;
@@ -53,6 +53,7 @@ struct Options {
     rounds: usize,
     block_size: usize,
     ways: Vec<concurrent::Way>,
+    storages: Vec<mha::CacheStorage>,
 }
 
 impl Options {
@@ -64,6 +65,7 @@ impl Options {
             rounds: 16,
             block_size: 16,
             ways: concurrent::Way::ALL.to_vec(),
+            storages: vec![mha::CacheStorage::Float, mha::CacheStorage::Int8],
         };
         let list = |text: String, name: &str| -> Vec<usize> {
             text.split(',')
@@ -87,6 +89,13 @@ impl Options {
                         .split(',')
                         .filter(|way| !way.is_empty())
                         .map(concurrent::Way::parse)
+                        .collect()
+                }
+                "--storage" => {
+                    options.storages = value()
+                        .split(',')
+                        .filter(|storage| !storage.is_empty())
+                        .map(concurrent::parse_storage)
                         .collect()
                 }
                 _ => {}
@@ -124,6 +133,7 @@ fn main() {
             concurrency: &options.concurrency,
             rounds: options.rounds,
             ways: &options.ways,
+            storages: &options.storages,
         };
         concurrent::table(&module, &sizes, &runs, bandwidth, &device);
     }

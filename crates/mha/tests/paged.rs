@@ -122,7 +122,8 @@ impl<'a> Harness<'a> {
         let mut alone = KvCache::new().with_storage(self.storage);
         self.module
             .forward_cached(
-                MhaInput::self_attn(tokens.clone().reshape([1, prefix, D_MODEL])).causal(),
+                MhaInput::self_attn(tokens.clone().reshape([1, prefix, self.module.d_model()]))
+                    .causal(),
                 &mut alone,
             )
             .unwrap();
@@ -141,7 +142,7 @@ impl<'a> Harness<'a> {
     /// decoded alone.
     fn step(&mut self, rows: &[(SequenceId, usize)]) {
         let total = rows.iter().map(|(_, n)| n).sum();
-        let x = randn([total, D_MODEL], self.device);
+        let x = randn([total, self.module.d_model()], self.device);
         let ids: Vec<SequenceId> = rows
             .iter()
             .flat_map(|&(id, n)| std::iter::repeat_n(id, n))
@@ -155,13 +156,13 @@ impl<'a> Harness<'a> {
             let alone = self.alone.get_mut(&id).unwrap();
             let own = x.clone().narrow(0, start, n);
             self.tokens.get_mut(&id).unwrap().push(own.clone());
-            let tokens = own.reshape([1, n, D_MODEL]);
+            let tokens = own.reshape([1, n, self.module.d_model()]);
             let expected = self
                 .module
                 .forward_cached(MhaInput::self_attn(tokens).causal(), alone)
                 .unwrap()
                 .context
-                .reshape([n, D_MODEL]);
+                .reshape([n, self.module.d_model()]);
             assert_close(
                 &format!("{}: {id} rows {start}..{}", self.label, start + n),
                 output.clone().narrow(0, start, n),
@@ -215,6 +216,38 @@ fn every_sequence_of_a_ragged_step_equals_decoding_it_alone() {
                 let label = format!("{name} {label} {storage:?}");
                 let mut harness = Harness::new(&module, &device, paged, label, tolerance(name));
                 continuous_batching(&mut harness);
+            }
+        }
+    }
+}
+
+/// Heads 32 and 64 wide, blocks of 16: the shapes the CPU kernel's AVX-512 path takes (whole
+/// 16-position parts, values a multiple of 16 wide), beside a last partial block per sequence.
+#[test]
+fn wide_heads_and_whole_blocks_equal_decoding_alone_in_f32_and_int8() {
+    let device = Device::flex();
+    let _seed = common::seed(&device, 36);
+    for (label, config) in [
+        (
+            "gqa, head_dim 32",
+            MultiHeadAttentionConfig::new(128, 4)
+                .with_n_kv_heads(Some(2))
+                .with_rope(Some(RopeConfig::new())),
+        ),
+        ("mha, head_dim 64", MultiHeadAttentionConfig::new(128, 2)),
+    ] {
+        let module = config.init(&device);
+        for storage in [CacheStorage::Float, CacheStorage::Int8] {
+            let paged = PagedKvCacheConfig::new(32)
+                .with_block_size(16)
+                .with_storage(storage);
+            let label = format!("{label} {storage:?}");
+            let mut harness = Harness::new(&module, &device, paged, label, 1e-5);
+            let (a, b) = (harness.add(), harness.add());
+            // 40 and 16 positions: two whole blocks and a partial one, one whole block.
+            harness.step(&[(a, 40), (b, 16)]);
+            for _ in 0..3 {
+                harness.step(&[(a, 1), (b, 1)]);
             }
         }
     }

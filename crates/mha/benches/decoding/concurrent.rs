@@ -4,6 +4,9 @@
 //! longest, and one `forward_cached` step per sequence, each with its own `KvCache` — beside the
 //! bytes each way's step reads and the time that takes at the measured read bandwidth.
 //!
+//! Each table row is one storage of the caches too: f32, or int8 (`--storage float,int8`),
+//! which the paged step reads as stored and `KvCache` dequantizes into f32 each step.
+//!
 //! The ways take turns round by round, so that a shared machine's slow spells fall on all of
 //! them; beside each median the table gives the median of the per-round ratios to the paged
 //! step.
@@ -11,7 +14,10 @@
 use std::time::Instant;
 
 use burn::tensor::{Bool, Device, Distribution, Tensor};
-use mha::{KvCache, MhaInput, MultiHeadAttention, PagedKvCache, PagedKvCacheConfig, SequenceId};
+use mha::{
+    CacheStorage, KvCache, MhaInput, MultiHeadAttention, PagedKvCache, PagedKvCacheConfig,
+    SequenceId,
+};
 
 /// Cached lengths, cycled through by the sequences: mixed, 128 to 4096 positions.
 const LENGTHS: [usize; 8] = [1024, 128, 4096, 256, 2048, 512, 3072, 768];
@@ -59,11 +65,21 @@ impl Way {
 }
 
 /// What the table runs: the numbers of concurrent sequences, the rounds each cell's median is
-/// taken over, and the ways measured.
+/// taken over, the ways measured and the caches' storages.
 pub struct Runs<'a> {
     pub concurrency: &'a [usize],
     pub rounds: usize,
     pub ways: &'a [Way],
+    pub storages: &'a [CacheStorage],
+}
+
+/// `float` or `int8` (the names `--storage` takes).
+pub fn parse_storage(name: &str) -> CacheStorage {
+    match name {
+        "float" => CacheStorage::Float,
+        "int8" => CacheStorage::Int8,
+        _ => panic!("--storage: float or int8, not {name:?}"),
+    }
 }
 
 /// Each way's median over `runs.rounds` decoding rounds (one new token for every sequence),
@@ -76,71 +92,95 @@ pub fn table(
     device: &Device,
 ) {
     println!(
-        "\n| sequences | cached positions (sum, longest) | way | tokens/s | ms per round | time / paged (per-round median) | bytes a round reads | time / bound |"
+        "\n| storage | sequences | cached positions (sum, longest) | way | tokens/s | ms per round | time / paged (per-round median) | bytes a round reads | time / bound |"
     );
-    println!("|---|---|---|---|---|---|---|---|");
-    for &count in runs.concurrency {
-        let lengths: Vec<usize> = (0..count).map(|i| LENGTHS[i % LENGTHS.len()]).collect();
-        let longest = *lengths.iter().max().expect("a sequence");
-        let stored: usize = lengths.iter().sum();
-        let position_bytes = 2 * sizes.kv_heads * sizes.head_dim * 4;
-        let weight_bytes = 4
-            * (2 * sizes.d_model * sizes.d_model
-                + 2 * sizes.d_model * sizes.kv_heads * sizes.head_dim);
-        let mut rounds: Vec<(Way, Box<dyn FnMut() + '_>, usize)> = runs
-            .ways
-            .iter()
-            .map(|&way| match way {
-                Way::Paged => (
-                    way,
-                    paged_round(module, &lengths, runs.rounds, sizes, device),
-                    stored * position_bytes + weight_bytes,
-                ),
-                // The flash kernel skips each row's padding (keys outside its unpadded span),
-                // so the padded batch reads what the paged step reads, though it holds
-                // `count · longest` positions.
-                Way::Padded => (
-                    way,
-                    padded_round(module, &lengths, sizes, device),
-                    stored * position_bytes + weight_bytes,
-                ),
-                Way::Single => (
-                    way,
-                    one_at_a_time_round(module, &lengths, sizes, device),
-                    stored * position_bytes + count * weight_bytes,
-                ),
-            })
-            .collect();
-        // times[round][way]
-        let times: Vec<Vec<f64>> = (0..runs.rounds)
-            .map(|_| {
-                rounds
-                    .iter_mut()
-                    .map(|(_, round, _)| {
-                        let started = Instant::now();
-                        round();
-                        started.elapsed().as_secs_f64()
-                    })
-                    .collect()
-            })
-            .collect();
-        let paged = runs.ways.iter().position(|&way| way == Way::Paged);
-        for (index, (way, _, bytes)) in rounds.iter().enumerate() {
-            let seconds = median(times.iter().map(|round| round[index]).collect());
-            let ratio = paged.map_or("-".to_string(), |paged| {
-                let ratios = times.iter().map(|round| round[index] / round[paged]);
-                format!("{:.2}", median(ratios.collect()))
-            });
-            println!(
-                "| {count} | {stored}, {longest} | {} | {:.0} | {:.2} | {ratio} | {:.1} MB | {:.1}x |",
-                way.label(),
-                count as f64 / seconds,
-                seconds * 1e3,
-                *bytes as f64 / 1e6,
-                seconds / (*bytes as f64 / bandwidth)
-            );
+    println!("|---|---|---|---|---|---|---|---|---|");
+    for &storage in runs.storages {
+        for &count in runs.concurrency {
+            cell(module, sizes, runs, (storage, count), bandwidth, device);
         }
     }
+}
+
+/// The table's rows for `count` sequences in caches of `storage`.
+fn cell(
+    module: &MultiHeadAttention,
+    sizes: &Sizes,
+    runs: &Runs,
+    (storage, count): (CacheStorage, usize),
+    bandwidth: f64,
+    device: &Device,
+) {
+    let lengths: Vec<usize> = (0..count).map(|i| LENGTHS[i % LENGTHS.len()]).collect();
+    let longest = *lengths.iter().max().expect("a sequence");
+    let stored: usize = lengths.iter().sum();
+    // Keys and values of every key/value head: f32, or i8 and an f32 scale.
+    let position_bytes = match storage {
+        CacheStorage::Float => 2 * sizes.kv_heads * sizes.head_dim * 4,
+        CacheStorage::Int8 => 2 * sizes.kv_heads * (sizes.head_dim + 4),
+    };
+    let weight_bytes = 4
+        * (2 * sizes.d_model * sizes.d_model + 2 * sizes.d_model * sizes.kv_heads * sizes.head_dim);
+    let mut rounds: Vec<WayRounds> = runs
+        .ways
+        .iter()
+        .map(|&way| match way {
+            Way::Paged => WayRounds {
+                way,
+                round: paged_round(module, (&lengths, storage), runs.rounds, sizes, device),
+                bytes: stored * position_bytes + weight_bytes,
+            },
+            // The flash kernel skips each row's padding (keys outside its unpadded span),
+            // so the padded batch reads what the paged step reads, though it holds
+            // `count · longest` positions.
+            Way::Padded => WayRounds {
+                way,
+                round: padded_round(module, (&lengths, storage), sizes, device),
+                bytes: stored * position_bytes + weight_bytes,
+            },
+            Way::Single => WayRounds {
+                way,
+                round: one_at_a_time_round(module, (&lengths, storage), sizes, device),
+                bytes: stored * position_bytes + count * weight_bytes,
+            },
+        })
+        .collect();
+    // times[round][way]
+    let times: Vec<Vec<f64>> = (0..runs.rounds)
+        .map(|_| {
+            rounds
+                .iter_mut()
+                .map(|way| {
+                    let started = Instant::now();
+                    (way.round)();
+                    started.elapsed().as_secs_f64()
+                })
+                .collect()
+        })
+        .collect();
+    let paged = runs.ways.iter().position(|&way| way == Way::Paged);
+    for (index, WayRounds { way, bytes, .. }) in rounds.iter().enumerate() {
+        let seconds = median(times.iter().map(|round| round[index]).collect());
+        let ratio = paged.map_or("-".to_string(), |paged| {
+            let ratios = times.iter().map(|round| round[index] / round[paged]);
+            format!("{:.2}", median(ratios.collect()))
+        });
+        println!(
+            "| {storage:?} | {count} | {stored}, {longest} | {} | {:.0} | {:.2} | {ratio} | {:.1} MB | {:.1}x |",
+            way.label(),
+            count as f64 / seconds,
+            seconds * 1e3,
+            *bytes as f64 / 1e6,
+            seconds / (*bytes as f64 / bandwidth)
+        );
+    }
+}
+
+/// One way of serving a cell: a round of it, and the bytes a round reads.
+struct WayRounds<'a> {
+    way: Way,
+    round: Box<dyn FnMut() + 'a>,
+    bytes: usize,
 }
 
 /// The median of `values`.
@@ -156,7 +196,7 @@ fn random(shape: [usize; 3], device: &Device) -> Tensor<3> {
 /// A round of one paged step for every sequence (the pool sized for `rounds` of them).
 fn paged_round<'a>(
     module: &'a MultiHeadAttention,
-    lengths: &[usize],
+    (lengths, storage): (&[usize], CacheStorage),
     rounds: usize,
     sizes: &Sizes,
     device: &Device,
@@ -168,6 +208,7 @@ fn paged_round<'a>(
         .sum();
     let mut cache: PagedKvCache = PagedKvCacheConfig::new(blocks)
         .with_block_size(block_size)
+        .with_storage(storage)
         .init();
     let ids: Vec<SequenceId> = lengths.iter().map(|_| cache.add_sequence()).collect();
     for (&id, &len) in ids.iter().zip(lengths) {
@@ -188,7 +229,7 @@ fn paged_round<'a>(
 /// A round of one step of a batch padded to the longest sequence.
 fn padded_round<'a>(
     module: &'a MultiHeadAttention,
-    lengths: &[usize],
+    (lengths, storage): (&[usize], CacheStorage),
     sizes: &Sizes,
     device: &Device,
 ) -> Box<dyn FnMut() + 'a> {
@@ -201,7 +242,7 @@ fn padded_round<'a>(
         .collect();
     let padding =
         Tensor::<1, Bool>::from_data(padding.as_slice(), device).reshape([count, longest]);
-    let mut cache = KvCache::new();
+    let mut cache = KvCache::new().with_storage(storage);
     let prompt = random([count, longest, sizes.d_model], device);
     module
         .forward_cached(
@@ -223,14 +264,14 @@ fn padded_round<'a>(
 /// A round of one step per sequence, each with its own cache.
 fn one_at_a_time_round<'a>(
     module: &'a MultiHeadAttention,
-    lengths: &[usize],
+    (lengths, storage): (&[usize], CacheStorage),
     sizes: &Sizes,
     device: &Device,
 ) -> Box<dyn FnMut() + 'a> {
     let mut caches: Vec<KvCache> = lengths
         .iter()
         .map(|&len| {
-            let mut cache = KvCache::new();
+            let mut cache = KvCache::new().with_storage(storage);
             module
                 .forward_cached(
                     MhaInput::self_attn(random([1, len, sizes.d_model], device)).causal(),

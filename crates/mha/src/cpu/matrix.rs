@@ -13,10 +13,11 @@ use std::ops::Range;
 
 use rayon::prelude::*;
 
-/// A rank-4 tensor's f32 elements from its first one on, and its strides in elements.
+/// A rank-4 tensor's elements (f32 unless said) from its first one on, and its strides in
+/// elements.
 #[derive(Clone, Copy, Debug)]
-pub(crate) struct Strided<'a> {
-    pub values: &'a [f32],
+pub(crate) struct Strided<'a, E = f32> {
+    pub values: &'a [E],
     pub strides: [usize; 4],
 }
 
@@ -36,19 +37,19 @@ fn fits(shape: [usize; 4], strides: [usize; 4], length: usize) -> bool {
     shape.contains(&0) || last < length
 }
 
-/// A `[batch, heads, seq, dim]` f32 tensor read in place through its strides: the heads that
-/// `Linear` + split produce (`[batch, seq, heads, dim]` memory) need no copy.
-pub(crate) struct HeadsView<'a> {
-    values: &'a [f32],
+/// A `[batch, heads, seq, dim]` tensor (f32 unless said) read in place through its strides: the
+/// heads that `Linear` + split produce (`[batch, seq, heads, dim]` memory) need no copy.
+pub(crate) struct HeadsView<'a, E = f32> {
+    values: &'a [E],
     shape: [usize; 4],
     strides: [usize; 4],
 }
 
-impl<'a> HeadsView<'a> {
+impl<'a, E> HeadsView<'a, E> {
     /// # Panics
     ///
     /// If the strides reach past the elements.
-    pub fn new(strided: Strided<'a>, shape: [usize; 4]) -> Self {
+    pub fn new(strided: Strided<'a, E>, shape: [usize; 4]) -> Self {
         let Strided { values, strides } = strided;
         assert!(
             fits(shape, strides, values.len()),
@@ -71,7 +72,7 @@ impl<'a> HeadsView<'a> {
     /// # Panics
     ///
     /// If the head is not in the tensor.
-    pub fn head(&self, index: HeadIndex) -> Matrix<'a> {
+    pub fn head(&self, index: HeadIndex) -> Matrix<'a, E> {
         let [batches, heads, seq, dim] = self.shape;
         assert!(
             index.batch < batches && index.head < heads,
@@ -93,7 +94,7 @@ impl<'a> HeadsView<'a> {
     /// # Panics
     ///
     /// If the row is not in the tensor, or its elements are not adjacent.
-    pub fn row(&self, index: HeadIndex, row: usize) -> &'a [f32] {
+    pub fn row(&self, index: HeadIndex, row: usize) -> &'a [E] {
         let [_, _, seq, dim] = self.shape;
         assert!(row < seq, "CPU kernel: row {row} of {seq}");
         let head = self.head(index);
@@ -183,24 +184,33 @@ impl<'a> BroadcastView<'a> {
     }
 }
 
-/// A read-only strided matrix inside a borrowed buffer: element `(i, j)` at
-/// `values[i · row_stride + j · column_stride]`, every one of which was checked to lie in
+/// A read-only strided matrix (of f32 unless said) inside a borrowed buffer: element `(i, j)`
+/// at `values[i · row_stride + j · column_stride]`, every one of which was checked to lie in
 /// `values` when the matrix was made.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Matrix<'a> {
-    pub values: &'a [f32],
+#[derive(Debug)]
+pub(crate) struct Matrix<'a, E = f32> {
+    pub values: &'a [E],
     pub rows: usize,
     pub columns: usize,
     pub row_stride: usize,
     pub column_stride: usize,
 }
 
-impl<'a> Matrix<'a> {
+// Copy for any element type (a derive would ask `E: Copy`).
+impl<E> Clone for Matrix<'_, E> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<E> Copy for Matrix<'_, E> {}
+
+impl<'a, E> Matrix<'a, E> {
     /// # Panics
     ///
     /// If an element lies outside `values`.
     pub fn new(
-        values: &'a [f32],
+        values: &'a [E],
         rows: usize,
         columns: usize,
         row_stride: usize,
@@ -225,7 +235,7 @@ impl<'a> Matrix<'a> {
     /// # Panics
     ///
     /// If it does not fit `values`.
-    pub fn dense(values: &'a [f32], rows: usize, columns: usize) -> Self {
+    pub fn dense(values: &'a [E], rows: usize, columns: usize) -> Self {
         Self::new(values, rows, columns, columns, 1)
     }
 
@@ -276,7 +286,7 @@ impl<'a> Matrix<'a> {
     /// # Panics
     ///
     /// If it is not a row of the matrix, or its column stride is not 1.
-    pub fn row(self, row: usize) -> &'a [f32] {
+    pub fn row(self, row: usize) -> &'a [E] {
         assert!(
             row < self.rows && (self.column_stride == 1 || self.columns <= 1),
             "CPU kernel: row {row} of a {}-row matrix read as a slice",
@@ -627,7 +637,7 @@ pub(crate) fn grown(buffer: &mut Vec<f32>, length: usize) -> &mut [f32] {
 /// The elements an ndarray view of rank 4 spans from its first one, and its strides, if all
 /// are non-negative and the last is 1.
 #[cfg(feature = "ndarray")]
-pub(crate) fn ndarray_elements<'a>(view: ndarray::ArrayViewD<'a, f32>) -> Option<Strided<'a>> {
+pub(crate) fn ndarray_elements<'a, E>(view: ndarray::ArrayViewD<'a, E>) -> Option<Strided<'a, E>> {
     let (shape, strides) = (view.shape(), view.strides());
     if strides.len() != 4 || strides[3] != 1 || strides.iter().any(|&s| s < 0) {
         return None;

@@ -429,22 +429,28 @@ fn exp<const FMA: bool>(x: f32) -> f32 {
 
 /// Asks the CPU to bring the first `len` elements of `values` (or all, if fewer) into its
 /// caches: a hint, with no effect on results.
-pub(crate) fn prefetch(values: &[f32], len: usize) {
+pub(crate) fn prefetch<T>(values: &[T], len: usize) {
     #[cfg(not(target_arch = "x86_64"))]
     let _ = (values, len);
     #[cfg(target_arch = "x86_64")]
-    for line in values[..len.min(values.len())].chunks(16) {
-        // SAFETY: prefetching never faults and reads no value; the address is in `values`.
-        unsafe {
-            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
-                line.as_ptr().cast(),
-            )
-        };
+    {
+        // One request per 64-byte cache line.
+        let per_line = (64 / std::mem::size_of::<T>().max(1)).max(1);
+        for line in values[..len.min(values.len())].chunks(per_line) {
+            // SAFETY: prefetching never faults and reads no value; the address is in `values`.
+            unsafe {
+                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                    line.as_ptr().cast(),
+                )
+            };
+        }
     }
 }
 
 mod online;
-pub(crate) use online::{KeyLayout, KeyTile, LogitRule, OnlineRow, attend_tile};
+pub(crate) use online::{
+    KeyLayout, KeyTile, LogitRule, OnlineRow, TileScales, attend_int8_tile, attend_tile,
+};
 
 #[cfg(test)]
 mod tests;

@@ -1,7 +1,8 @@
-//! Flex's and ndarray's f32 storage as the CPU kernels read it (strided slices, no copy where
-//! the layout allows) and write it (a kernel's buffer handed over as the tensor's storage).
+//! Flex's and ndarray's f32 storage (and i8, for int8 caches) as the CPU kernels read it
+//! (strided slices, no copy where the layout allows) and write it (a kernel's buffer handed
+//! over as the tensor's storage).
 
-use burn::backend::tensor::FloatTensor;
+use burn::backend::tensor::{FloatTensor, IntTensor};
 use burn::backend::{Backend, DType, DispatchDevice, TensorMetadata};
 use burn::tensor::Device;
 
@@ -20,6 +21,13 @@ pub(crate) trait CpuStorage: Backend {
     /// The f32 elements from the tensor's first one on, and its four strides, if all are
     /// non-negative and the last is 1.
     fn strided(tensor: &FloatTensor<Self>) -> Option<Strided<'_>>;
+
+    /// `tensor` itself, or a copy in a layout [`CpuStorage::int8_strided`] reads, for i8.
+    fn int8_readable(tensor: &IntTensor<Self>) -> Option<IntTensor<Self>>;
+
+    /// The i8 elements from the tensor's first one on, and its four strides, if all are
+    /// non-negative and the last is 1.
+    fn int8_strided(tensor: &IntTensor<Self>) -> Option<Strided<'_, i8>>;
 
     /// A tensor of logical shape `[batch, heads, seq, dim]` over `values` laid out
     /// `[batch, seq, heads, dim]`, without a copy: an output handed over to the caller.
@@ -47,7 +55,17 @@ pub(crate) trait CpuStorage: Backend {
     /// If the tensor is not of rank 4.
     fn heads_view(tensor: &FloatTensor<Self>) -> Option<HeadsView<'_>> {
         let strided = Self::strided(tensor)?;
-        Some(HeadsView::new(strided, rank_4::<Self>(tensor)))
+        Some(HeadsView::new(strided, rank_4(tensor)))
+    }
+
+    /// A rank-4 i8 tensor as a [`HeadsView`], if [`CpuStorage::int8_strided`] reads it.
+    ///
+    /// # Panics
+    ///
+    /// If the tensor is not of rank 4.
+    fn int8_heads_view(tensor: &IntTensor<Self>) -> Option<HeadsView<'_, i8>> {
+        let strided = Self::int8_strided(tensor)?;
+        Some(HeadsView::new(strided, rank_4(tensor)))
     }
 }
 
@@ -56,7 +74,7 @@ pub(crate) trait CpuStorage: Backend {
 /// # Panics
 ///
 /// If it is not of rank 4.
-pub(crate) fn rank_4<B: Backend>(tensor: &FloatTensor<B>) -> [usize; 4] {
+pub(crate) fn rank_4(tensor: &impl TensorMetadata) -> [usize; 4] {
     let shape = tensor.shape();
     assert_eq!(
         shape.num_dims(),
@@ -99,19 +117,25 @@ impl CpuStorage for burn::backend::Flex {
     }
 
     fn strided(tensor: &FloatTensor<Self>) -> Option<Strided<'_>> {
-        if tensor.dtype() != DType::F32 {
+        let (start, strides) = flex_strides(tensor, DType::F32)?;
+        let values = tensor.storage::<f32>().get(start..)?;
+        Some(Strided { values, strides })
+    }
+
+    fn int8_readable(tensor: &IntTensor<Self>) -> Option<IntTensor<Self>> {
+        if tensor.dtype() != DType::I8 {
             return None;
         }
-        let layout = tensor.layout();
-        let strides = layout.strides();
-        if strides.len() != 4 || strides[3] != 1 || strides.iter().any(|&s| s < 0) {
-            return None;
-        }
-        let values = tensor.storage::<f32>().get(layout.start_offset()..)?;
-        Some(Strided {
-            values,
-            strides: [0, 1, 2, 3].map(|axis| strides[axis] as usize),
+        Some(match Self::int8_strided(tensor) {
+            Some(_) => tensor.clone(),
+            None => tensor.to_contiguous(),
         })
+    }
+
+    fn int8_strided(tensor: &IntTensor<Self>) -> Option<Strided<'_, i8>> {
+        let (start, strides) = flex_strides(tensor, DType::I8)?;
+        let values = tensor.storage::<i8>().get(start..)?;
+        Some(Strided { values, strides })
     }
 
     fn sequence_major(values: Vec<f32>, shape: [usize; 4]) -> FloatTensor<Self> {
@@ -135,6 +159,35 @@ impl CpuStorage for burn::backend::Flex {
     }
 }
 
+/// Where a flex tensor of `dtype` starts in its storage and its strides, if they are
+/// non-negative and the last is 1.
+#[cfg(feature = "flex")]
+fn flex_strides(
+    tensor: &burn::backend::flex::FlexTensor,
+    dtype: DType,
+) -> Option<(usize, [usize; 4])> {
+    if tensor.dtype() != dtype {
+        return None;
+    }
+    let layout = tensor.layout();
+    let strides = layout.strides();
+    if strides.len() != 4 || strides[3] != 1 || strides.iter().any(|&s| s < 0) {
+        return None;
+    }
+    Some((
+        layout.start_offset(),
+        [0, 1, 2, 3].map(|axis| strides[axis] as usize),
+    ))
+}
+
+/// A row-major copy of an ndarray view (of a layout the kernels do not read in place).
+#[cfg(feature = "ndarray")]
+fn standard_copy<E: Clone>(
+    view: ndarray::ArrayViewD<'_, E>,
+) -> ndarray::ArcArray<E, ndarray::IxDyn> {
+    view.as_standard_layout().into_owned().into_shared()
+}
+
 #[cfg(feature = "ndarray")]
 impl CpuStorage for burn::backend::NdArray {
     /// ndarray's tensors own plain vectors, freed when they drop.
@@ -147,18 +200,30 @@ impl CpuStorage for burn::backend::NdArray {
         };
         Some(match Self::strided(tensor) {
             Some(_) => tensor.clone(),
-            None => NdArrayTensor::from(
-                storage
-                    .view()
-                    .as_standard_layout()
-                    .into_owned()
-                    .into_shared(),
-            ),
+            None => NdArrayTensor::from(standard_copy(storage.view())),
         })
     }
 
     fn strided(tensor: &FloatTensor<Self>) -> Option<Strided<'_>> {
         let burn::backend::ndarray::NdArrayTensor::F32(storage) = tensor else {
+            return None;
+        };
+        super::matrix::ndarray_elements(storage.view())
+    }
+
+    fn int8_readable(tensor: &IntTensor<Self>) -> Option<IntTensor<Self>> {
+        use burn::backend::ndarray::NdArrayTensor;
+        let NdArrayTensor::I8(storage) = tensor else {
+            return None;
+        };
+        Some(match Self::int8_strided(tensor) {
+            Some(_) => tensor.clone(),
+            None => NdArrayTensor::from(standard_copy(storage.view())),
+        })
+    }
+
+    fn int8_strided(tensor: &IntTensor<Self>) -> Option<Strided<'_, i8>> {
+        let burn::backend::ndarray::NdArrayTensor::I8(storage) = tensor else {
             return None;
         };
         super::matrix::ndarray_elements(storage.view())
@@ -234,6 +299,32 @@ mod tests {
     fn both_backends_read_views_in_place_and_copy_other_layouts() {
         reads_views_in_place_and_copies_other_layouts::<Flex>();
         reads_views_in_place_and_copies_other_layouts::<NdArray>();
+    }
+
+    /// As [`reads_views_in_place_and_copies_other_layouts`], for i8 (an int8 cache's values).
+    fn reads_int8_views_in_place_and_copies_other_layouts<B: CpuStorage>() {
+        let device = Default::default();
+        let values: Vec<i8> = (0..120).map(|i| (i - 60) as i8).collect();
+        let memory = B::int_from_data(TensorData::new(values, [2, 3, 4, 5]), &device);
+        let heads = B::int_swap_dims(memory, 1, 2);
+        let flipped = B::int_flip(heads.clone(), &[2]);
+        let index = HeadIndex { batch: 1, head: 2 };
+        let row_start = |seq: usize| 60 + 20 * seq + 5 * 2 - 60;
+        assert!(B::int8_strided(&heads).is_some(), "read in place");
+        for (tensor, row, seq) in [(&heads, 1, 1), (&flipped, 0, 2)] {
+            let readable = B::int8_readable(tensor).expect("i8");
+            let view = B::int8_heads_view(&readable).expect("readable");
+            let expected: Vec<i8> = (0..5).map(|d| (row_start(seq) + d) as i8).collect();
+            assert_eq!(view.row(index, row), expected.as_slice());
+        }
+        let i32s = B::int_from_data(TensorData::new(vec![0i32; 4], [1, 1, 2, 2]), &device);
+        assert!(B::int8_readable(&i32s).is_none(), "only i8");
+    }
+
+    #[test]
+    fn both_backends_read_int8_views_in_place_and_copy_other_layouts() {
+        reads_int8_views_in_place_and_copies_other_layouts::<Flex>();
+        reads_int8_views_in_place_and_copies_other_layouts::<NdArray>();
     }
 
     /// A sequence-major output reads back as its logical shape.

@@ -1,6 +1,8 @@
 //! The paged step's attention on flex's and ndarray's f32 storage: every query reads its
 //! sequence's keys and values through the block table, block by block, where they lie in the
-//! pool (no gather into a contiguous copy), with an online softmax over the blocks.
+//! pool (no gather into a contiguous copy), with an online softmax over the blocks. An int8
+//! pool is read as it is stored, i8 and a scale per position (nothing dequantized into memory),
+//! so that a step reads a quarter of the bytes.
 //!
 //! A task is one sequence's rows: each key/value head's query heads share every key and value
 //! row they read (GQA without copies), and tasks write disjoint outputs.
@@ -8,16 +10,15 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use burn::backend::tensor::FloatTensor;
+use burn::backend::tensor::{FloatTensor, IntTensor};
 use burn::backend::{Backend, Dispatch, backend_extension};
 use burn::tensor::{DType, Tensor};
 use rayon::prelude::*;
 
 use super::cache::{PagedKvCache, SequenceStep};
 use super::step::StepHeads;
-use super::store::BlockLayout;
+use super::store::{BlockLayout, StoredBlocks};
 use crate::alibi::alibi_slopes;
-use crate::cache::CacheStorage;
 use crate::cpu::matrix::{HeadIndex, HeadsView};
 use crate::cpu::simd;
 use crate::cpu::storage::{CpuStorage, native_storage};
@@ -74,6 +75,29 @@ pub(crate) trait PagedAttentionBackend: Backend {
         new_value: FloatTensor<Self>,
         params: PagedParams,
     ) -> FloatTensor<Self>;
+
+    /// [`PagedAttentionBackend::paged_attention`] over an int8 pool: i8 blocks and their
+    /// scales, dequantized as they are read.
+    ///
+    /// # Shapes
+    ///
+    /// - key_blocks: `[blocks, n_kv_heads, head_dim, block_size]` i8, key_scales
+    ///   `[blocks, n_kv_heads, 1, block_size]`
+    /// - value_blocks: `[blocks, n_kv_heads, block_size, head_dim]` i8, value_scales
+    ///   `[blocks, n_kv_heads, block_size, 1]`
+    /// - the others as in [`PagedAttentionBackend::paged_attention`]
+    // The backend extension takes each tensor as an argument of its own.
+    #[allow(clippy::too_many_arguments)]
+    fn paged_attention_int8(
+        query: FloatTensor<Self>,
+        key_blocks: IntTensor<Self>,
+        key_scales: FloatTensor<Self>,
+        value_blocks: IntTensor<Self>,
+        value_scales: FloatTensor<Self>,
+        new_key: FloatTensor<Self>,
+        new_value: FloatTensor<Self>,
+        params: PagedParams,
+    ) -> FloatTensor<Self>;
 }
 
 macro_rules! native_paged_attention_backend {
@@ -90,8 +114,36 @@ macro_rules! native_paged_attention_backend {
                 paged_attention::<Self>(
                     PagedTensors {
                         query,
-                        key_blocks,
-                        value_blocks,
+                        pool: PoolTensors::Float {
+                            keys: key_blocks,
+                            values: value_blocks,
+                        },
+                        new_key,
+                        new_value,
+                    },
+                    &params,
+                )
+            }
+
+            fn paged_attention_int8(
+                query: FloatTensor<Self>,
+                key_blocks: IntTensor<Self>,
+                key_scales: FloatTensor<Self>,
+                value_blocks: IntTensor<Self>,
+                value_scales: FloatTensor<Self>,
+                new_key: FloatTensor<Self>,
+                new_value: FloatTensor<Self>,
+                params: PagedParams,
+            ) -> FloatTensor<Self> {
+                paged_attention::<Self>(
+                    PagedTensors {
+                        query,
+                        pool: PoolTensors::Int8 {
+                            keys: key_blocks,
+                            key_scales,
+                            values: value_blocks,
+                            value_scales,
+                        },
                         new_key,
                         new_value,
                     },
@@ -109,8 +161,8 @@ native_paged_attention_backend!(burn::backend::NdArray);
 
 /// The context heads `[1, n_heads, rows, head_dim]` of `sequences` (of the step's rows; the
 /// other rows are zeros) computed through the block tables, where the native kernel takes the
-/// step: flex or ndarray outside autodiff, f32, float storage, no appended key positions.
-/// `None` elsewhere.
+/// step: flex or ndarray outside autodiff, f32, float or int8 storage, no appended key
+/// positions. `None` elsewhere.
 pub(crate) fn native_paged_attention(
     module: &MultiHeadAttention,
     heads: &StepHeads,
@@ -121,13 +173,11 @@ pub(crate) fn native_paged_attention(
     let native = native_storage(&device)
         && !device.is_autodiff()
         && heads.query.dtype() == DType::F32
-        && cache.config().storage == CacheStorage::Float
         && module.extra_keys() == 0;
     if !native {
         return None;
     }
     let (key_store, value_store) = cache.stores()?;
-    let (key_blocks, value_blocks) = (key_store.float_blocks()?, value_store.float_blocks()?);
     assert!(
         key_store.layout() == BlockLayout::FeatureMajor
             && value_store.layout() == BlockLayout::PositionMajor,
@@ -160,33 +210,110 @@ pub(crate) fn native_paged_attention(
         window: module.window,
         sinks: sinks.map(Arc::from),
     };
-    let output = <Dispatch as PagedAttentionBackend>::paged_attention(
+    let (query, new_key, new_value) = (
         heads.query.clone().into_dispatch(),
-        key_blocks.clone().into_dispatch(),
-        value_blocks.clone().into_dispatch(),
         heads.key.clone().into_dispatch(),
         heads.value.clone().into_dispatch(),
-        params,
     );
+    let output = match (key_store.stored(), value_store.stored()) {
+        (StoredBlocks::Float(keys), StoredBlocks::Float(values)) => {
+            <Dispatch as PagedAttentionBackend>::paged_attention(
+                query,
+                keys.clone().into_dispatch(),
+                values.clone().into_dispatch(),
+                new_key,
+                new_value,
+                params,
+            )
+        }
+        (
+            StoredBlocks::Int8 {
+                values: keys,
+                scales: key_scales,
+            },
+            StoredBlocks::Int8 {
+                values,
+                scales: value_scales,
+            },
+        ) if key_scales.dtype() == DType::F32 && value_scales.dtype() == DType::F32 => {
+            <Dispatch as PagedAttentionBackend>::paged_attention_int8(
+                query,
+                keys.clone().into_dispatch(),
+                key_scales.clone().into_dispatch(),
+                values.clone().into_dispatch(),
+                value_scales.clone().into_dispatch(),
+                new_key,
+                new_value,
+                params,
+            )
+        }
+        _ => return None,
+    };
     Some(Tensor::from_dispatch(output))
 }
 
 /// A call's tensors on the backend that computes it.
 struct PagedTensors<B: Backend> {
     query: FloatTensor<B>,
-    key_blocks: FloatTensor<B>,
-    value_blocks: FloatTensor<B>,
+    pool: PoolTensors<B>,
     new_key: FloatTensor<B>,
     new_value: FloatTensor<B>,
+}
+
+/// The pool's blocks of keys (feature-major) and values (position-major).
+enum PoolTensors<B: Backend> {
+    Float {
+        keys: FloatTensor<B>,
+        values: FloatTensor<B>,
+    },
+    /// i8 blocks and their scales (`[blocks, n_kv_heads, 1, block_size]` for the keys,
+    /// `[blocks, n_kv_heads, block_size, 1]` for the values).
+    Int8 {
+        keys: IntTensor<B>,
+        key_scales: FloatTensor<B>,
+        values: IntTensor<B>,
+        value_scales: FloatTensor<B>,
+    },
 }
 
 /// The call's tensors read in place.
 struct Views<'a> {
     query: HeadsView<'a>,
-    key_blocks: HeadsView<'a>,
-    value_blocks: HeadsView<'a>,
+    pool: PoolViews<'a>,
     new_key: HeadsView<'a>,
     new_value: HeadsView<'a>,
+}
+
+/// [`PoolTensors`] read in place.
+enum PoolViews<'a> {
+    Float {
+        keys: HeadsView<'a>,
+        values: HeadsView<'a>,
+    },
+    Int8 {
+        keys: HeadsView<'a, i8>,
+        key_scales: HeadsView<'a>,
+        values: HeadsView<'a, i8>,
+        value_scales: HeadsView<'a>,
+    },
+}
+
+impl PoolViews<'_> {
+    /// `[blocks, n_kv_heads, head_dim, block_size]`.
+    fn key_shape(&self) -> [usize; 4] {
+        match self {
+            Self::Float { keys, .. } => keys.shape(),
+            Self::Int8 { keys, .. } => keys.shape(),
+        }
+    }
+
+    /// `[blocks, n_kv_heads, block_size, head_dim]`.
+    fn value_shape(&self) -> [usize; 4] {
+        match self {
+            Self::Float { values, .. } => values.shape(),
+            Self::Int8 { values, .. } => values.shape(),
+        }
+    }
 }
 
 /// Sizes of a call.
@@ -210,23 +337,55 @@ fn paged_attention<B: CpuStorage>(
     params: &PagedParams,
 ) -> FloatTensor<B> {
     let readable = |tensor: &FloatTensor<B>| B::readable(tensor).expect("f32 tensors");
+    let int8_readable = |tensor: &IntTensor<B>| B::int8_readable(tensor).expect("i8 blocks");
     let tensors = PagedTensors::<B> {
         query: readable(&tensors.query),
-        key_blocks: readable(&tensors.key_blocks),
-        value_blocks: readable(&tensors.value_blocks),
+        pool: match &tensors.pool {
+            PoolTensors::Float { keys, values } => PoolTensors::Float {
+                keys: readable(keys),
+                values: readable(values),
+            },
+            PoolTensors::Int8 {
+                keys,
+                key_scales,
+                values,
+                value_scales,
+            } => PoolTensors::Int8 {
+                keys: int8_readable(keys),
+                key_scales: readable(key_scales),
+                values: int8_readable(values),
+                value_scales: readable(value_scales),
+            },
+        },
         new_key: readable(&tensors.new_key),
         new_value: readable(&tensors.new_value),
     };
     let view = |tensor| B::heads_view(tensor).expect("a readable layout");
+    let int8_view = |tensor| B::int8_heads_view(tensor).expect("a readable layout");
     let views = Views {
         query: view(&tensors.query),
-        key_blocks: view(&tensors.key_blocks),
-        value_blocks: view(&tensors.value_blocks),
+        pool: match &tensors.pool {
+            PoolTensors::Float { keys, values } => PoolViews::Float {
+                keys: view(keys),
+                values: view(values),
+            },
+            PoolTensors::Int8 {
+                keys,
+                key_scales,
+                values,
+                value_scales,
+            } => PoolViews::Int8 {
+                keys: int8_view(keys),
+                key_scales: view(key_scales),
+                values: int8_view(values),
+                value_scales: view(value_scales),
+            },
+        },
         new_key: view(&tensors.new_key),
         new_value: view(&tensors.new_value),
     };
     let [_, n_heads, rows, head_dim] = views.query.shape();
-    let [pool_blocks, n_kv_heads, key_dim, block_size] = views.key_blocks.shape();
+    let [pool_blocks, n_kv_heads, key_dim, block_size] = views.pool.key_shape();
     let sizes = Sizes {
         rows,
         n_heads,
@@ -265,22 +424,34 @@ fn check_inputs(
         head_dim,
         block_size,
     } = sizes;
-    let expected = [
+    let mut expected = vec![
         (views.new_key.shape(), [1, n_kv_heads, rows, head_dim]),
         (views.new_value.shape(), [1, n_kv_heads, rows, head_dim]),
         (
-            views.value_blocks.shape(),
+            views.pool.value_shape(),
             [pool_blocks, n_kv_heads, block_size, head_dim],
         ),
     ];
+    if let PoolViews::Int8 {
+        key_scales,
+        value_scales,
+        ..
+    } = &views.pool
+    {
+        expected.push((key_scales.shape(), [pool_blocks, n_kv_heads, 1, block_size]));
+        expected.push((
+            value_scales.shape(),
+            [pool_blocks, n_kv_heads, block_size, 1],
+        ));
+    }
     assert!(
         key_dim == head_dim
             && n_kv_heads > 0
             && n_heads.is_multiple_of(n_kv_heads)
             && expected.iter().all(|(shape, wanted)| shape == wanted),
-        "paged attention: the key blocks {:?}, new keys {:?} and values {:?} do not fit queries \
-         {:?}",
-        views.key_blocks.shape(),
+        "paged attention: the key blocks {:?}, new keys {:?} and values {:?} (or the blocks' \
+         scales) do not fit queries {:?}",
+        views.pool.key_shape(),
         views.new_key.shape(),
         views.new_value.shape(),
         views.query.shape()
@@ -351,45 +522,92 @@ fn chunks(
     stored_chunks.chain(new_chunk)
 }
 
-/// `chunk`'s keys and values of key/value head `kv_head`, where they lie.
+/// One chunk's keys and values of one key/value head, where they lie: f32, or the i8 of an
+/// int8 pool's block and its scales.
+#[derive(Clone, Copy)]
+enum Tile<'a> {
+    Float(simd::KeyTile<'a>),
+    Int8(simd::KeyTile<'a, i8>, simd::TileScales<'a>),
+}
+
+/// `chunk`'s keys and values of key/value head `kv_head`.
 fn tile<'a>(
     views: &Views<'a>,
     sequence: &PagedSequence,
     kv_head: usize,
     chunk: &Chunk,
-) -> simd::KeyTile<'a> {
+) -> Tile<'a> {
     let count = chunk.positions.len();
-    let (keys, layout, values) = match chunk.source {
+    match chunk.source {
         ChunkSource::Stored { index, offset } => {
             let head = HeadIndex {
                 batch: sequence.blocks[index],
                 head: kv_head,
             };
-            (
-                views.key_blocks.head(head).columns(offset, count),
-                simd::KeyLayout::Columns,
-                views.value_blocks.head(head).rows(offset, count),
-            )
+            match &views.pool {
+                PoolViews::Float { keys, values } => {
+                    let (keys, values) = (
+                        keys.head(head).columns(offset, count),
+                        values.head(head).rows(offset, count),
+                    );
+                    Tile::Float(simd::KeyTile {
+                        keys: keys.values,
+                        key_stride: keys.row_stride,
+                        layout: simd::KeyLayout::Columns,
+                        values: values.values,
+                        value_stride: values.row_stride,
+                        count,
+                    })
+                }
+                PoolViews::Int8 {
+                    keys,
+                    key_scales,
+                    values,
+                    value_scales,
+                } => {
+                    let (keys, values) = (
+                        keys.head(head).columns(offset, count),
+                        values.head(head).rows(offset, count),
+                    );
+                    // A row of one scale per position for the keys, a column for the values.
+                    let key_scales = key_scales.head(head).columns(offset, count);
+                    let value_scales = value_scales.head(head).rows(offset, count);
+                    let tile = simd::KeyTile {
+                        keys: keys.values,
+                        key_stride: keys.row_stride,
+                        layout: simd::KeyLayout::Columns,
+                        values: values.values,
+                        value_stride: values.row_stride,
+                        count,
+                    };
+                    let scales = simd::TileScales {
+                        keys: key_scales.values,
+                        key_stride: key_scales.column_stride,
+                        values: value_scales.values,
+                        value_stride: value_scales.row_stride,
+                    };
+                    Tile::Int8(tile, scales)
+                }
+            }
         }
         ChunkSource::New { row } => {
             let head = HeadIndex {
                 batch: 0,
                 head: kv_head,
             };
-            (
+            let (keys, values) = (
                 views.new_key.head(head).rows(row, count),
-                simd::KeyLayout::Rows,
                 views.new_value.head(head).rows(row, count),
-            )
+            );
+            Tile::Float(simd::KeyTile {
+                keys: keys.values,
+                key_stride: keys.row_stride,
+                layout: simd::KeyLayout::Rows,
+                values: values.values,
+                value_stride: values.row_stride,
+                count,
+            })
         }
-    };
-    simd::KeyTile {
-        keys: keys.values,
-        key_stride: keys.row_stride,
-        layout,
-        values: values.values,
-        value_stride: values.row_stride,
-        count,
     }
 }
 
@@ -422,6 +640,7 @@ fn sequence_output(
     let mut maxima = vec![f32::NEG_INFINITY; n_heads];
     let mut sums = vec![0.0f32; n_heads];
     let mut row_chunks = Vec::new();
+    let mut row_tiles = Vec::new();
     for (local, row) in sequence.rows.clone().enumerate() {
         let position = sequence.past + local;
         let first = params
@@ -439,15 +658,21 @@ fn sequence_output(
         maxima.fill(f32::NEG_INFINITY);
         sums.fill(0.0);
         let outputs = &mut output[local * width..][..width];
+        // Every (chunk, key/value head) tile of the row once, chunk by chunk: the prefetch
+        // ahead and the computation read the same list.
         row_chunks.clear();
-        row_chunks.extend(chunks(sequence, block_size, first..position + 1));
+        row_tiles.clear();
+        for chunk in chunks(sequence, block_size, first..position + 1) {
+            row_tiles.extend((0..n_kv_heads).map(|kv_head| tile(views, sequence, kv_head, &chunk)));
+            row_chunks.push(chunk);
+        }
         for (index, chunk) in row_chunks.iter().enumerate() {
-            if let Some(ahead) = row_chunks.get(index + PREFETCH_CHUNKS) {
-                for kv_head in 0..n_kv_heads {
-                    prefetch(&tile(views, sequence, kv_head, ahead), head_dim);
-                }
+            let ahead = (index + PREFETCH_CHUNKS) * n_kv_heads;
+            for tile in row_tiles.get(ahead..ahead + n_kv_heads).unwrap_or(&[]) {
+                prefetch(tile, head_dim);
             }
-            for kv_head in 0..n_kv_heads {
+            let chunk_tiles = &row_tiles[index * n_kv_heads..][..n_kv_heads];
+            for (kv_head, tile) in chunk_tiles.iter().enumerate() {
                 let heads = kv_head * group..(kv_head + 1) * group;
                 let features = heads.start * head_dim..heads.end * head_dim;
                 let mut online = simd::OnlineRow {
@@ -461,7 +686,12 @@ fn sequence_output(
                     alibi: params.alibi.as_ref().map(|slopes| &slopes[heads.clone()]),
                     first_distance: position - chunk.positions.start,
                 };
-                simd::attend_tile(&mut online, tile(views, sequence, kv_head, chunk), rule);
+                match *tile {
+                    Tile::Float(tile) => simd::attend_tile(&mut online, tile, rule),
+                    Tile::Int8(tile, scales) => {
+                        simd::attend_int8_tile(&mut online, tile, scales, rule)
+                    }
+                }
             }
         }
         normalize(outputs, &maxima, &sums, params, head_dim);
@@ -469,14 +699,24 @@ fn sequence_output(
     output
 }
 
-/// Asks the CPU for `tile`'s keys (of `dim` features) and values.
-fn prefetch(tile: &simd::KeyTile, dim: usize) {
-    let keys = match tile.layout {
-        simd::KeyLayout::Columns => dim * tile.key_stride,
-        simd::KeyLayout::Rows => tile.count * tile.key_stride,
-    };
-    simd::prefetch(tile.keys, keys);
-    simd::prefetch(tile.values, tile.count * tile.value_stride);
+/// Asks the CPU for `tile`'s keys (of `dim` features), values and scales.
+fn prefetch(tile: &Tile, dim: usize) {
+    fn elements<E>(tile: &simd::KeyTile<E>, dim: usize) {
+        let keys = match tile.layout {
+            simd::KeyLayout::Columns => dim * tile.key_stride,
+            simd::KeyLayout::Rows => tile.count * tile.key_stride,
+        };
+        simd::prefetch(tile.keys, keys);
+        simd::prefetch(tile.values, tile.count * tile.value_stride);
+    }
+    match tile {
+        Tile::Float(tile) => elements(tile, dim),
+        Tile::Int8(tile, scales) => {
+            elements(tile, dim);
+            simd::prefetch(scales.keys, tile.count * scales.key_stride);
+            simd::prefetch(scales.values, tile.count * scales.value_stride);
+        }
+    }
 }
 
 /// Divides each head's output by its softmax sum, the sink's term (if any) added first.

@@ -37,6 +37,17 @@ pub(crate) struct BlockStore {
     layout: BlockLayout,
 }
 
+/// A store's tensors as the native kernel reads them, in the store's [`BlockLayout`].
+#[cfg_attr(not(any(feature = "flex", feature = "ndarray")), allow(dead_code))]
+pub(crate) enum StoredBlocks<'a> {
+    Float(&'a Tensor<4>),
+    /// i8 values, and their scales with a feature axis of 1.
+    Int8 {
+        values: &'a Tensor<4, Int>,
+        scales: &'a Tensor<4>,
+    },
+}
+
 /// A store's tensors, in its [`BlockLayout`].
 #[derive(Debug, Clone)]
 // The int8 variant holds two tensors; two stores live in a cache, never in bulk.
@@ -104,12 +115,12 @@ impl BlockStore {
         }
     }
 
-    /// The float blocks in their layout, for the native kernel; `None` for int8.
+    /// The blocks in their layout, for the native kernel.
     #[cfg_attr(not(any(feature = "flex", feature = "ndarray")), allow(dead_code))]
-    pub fn float_blocks(&self) -> Option<&Tensor<4>> {
+    pub fn stored(&self) -> StoredBlocks<'_> {
         match &self.data {
-            BlockData::Float { blocks } => Some(blocks),
-            BlockData::Int8 { .. } => None,
+            BlockData::Float { blocks } => StoredBlocks::Float(blocks),
+            BlockData::Int8 { values, scales } => StoredBlocks::Int8 { values, scales },
         }
     }
 

@@ -1,12 +1,16 @@
-//! One tile of keys and values added to a query row's online softmax, for the query heads that
-//! share a key/value head: the paged decoding step's inner loop in one call — scores, soft cap,
-//! ALiBi, the rescale, the exponentials and the weighted values — with the scores and sums in
-//! registers.
+//! One tile of keys and values (f32, or i8 with a scale per position) added to a query row's
+//! online softmax, for the query heads that share a key/value head: the paged decoding step's
+//! inner loop in one call — scores, soft cap, ALiBi, the rescale, the exponentials and the
+//! weighted values — with the scores and sums in registers.
 //!
 //! Why one call: as four calls per block (scores, maximum, exponentials, weighted values) with
 //! the scores and a block's sums going through memory between them, the paged step at 32
 //! sequences of 128-4096 positions took about twice the time a loop reading the same blocks
 //! takes (see `docs/benchmarks.md`).
+
+// Index loops over fixed-size arrays (lanes, heads, vectors), so that the accumulators stay in
+// registers: iterators over them made the compiler keep them on the stack.
+#![allow(clippy::needless_range_loop)]
 
 use super::{LANES, NATIVE_FMA, VALUE_COLUMNS, exp, flushed_exp, lane_sum, mul_add, tanh};
 
@@ -23,17 +27,68 @@ pub(crate) enum KeyLayout {
     Rows,
 }
 
-/// Consecutive positions of one key/value head: their keys and values where they lie.
+/// An element a tile stores its keys and values in: f32, or i8 with a scale per position
+/// ([`TileScales`]).
+pub(crate) trait TileElement: Copy {
+    /// Whether the element is i8 (the AVX-512 path converts it on loading).
+    const INT8: bool;
+
+    fn float(self) -> f32;
+}
+
+impl TileElement for f32 {
+    const INT8: bool = false;
+
+    #[inline(always)]
+    fn float(self) -> f32 {
+        self
+    }
+}
+
+impl TileElement for i8 {
+    const INT8: bool = true;
+
+    #[inline(always)]
+    fn float(self) -> f32 {
+        f32::from(self)
+    }
+}
+
+/// Consecutive positions of one key/value head: their keys and values (f32 unless said) where
+/// they lie.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct KeyTile<'a> {
-    pub keys: &'a [f32],
+pub(crate) struct KeyTile<'a, E = f32> {
+    pub keys: &'a [E],
     pub key_stride: usize,
     pub layout: KeyLayout,
     /// Position `i`'s value is `values[i · value_stride..][..value_dim]`.
-    pub values: &'a [f32],
+    pub values: &'a [E],
     pub value_stride: usize,
     /// Positions in the tile.
     pub count: usize,
+}
+
+/// An int8 tile's scales: position `i`'s key is `keys[i · key_stride]` times its stored key,
+/// its value `values[i · value_stride]` times its stored value (`max |x| / 127` of the row, as
+/// the int8 caches store them).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct TileScales<'a> {
+    pub keys: &'a [f32],
+    pub key_stride: usize,
+    pub values: &'a [f32],
+    pub value_stride: usize,
+}
+
+impl TileScales<'_> {
+    #[inline(always)]
+    fn key(&self, position: usize) -> f32 {
+        self.keys[position * self.key_stride]
+    }
+
+    #[inline(always)]
+    fn value(&self, position: usize) -> f32 {
+        self.values[position * self.value_stride]
+    }
 }
 
 /// What turns a score (`scale · q · k`) into a logit: the soft cap, then ALiBi's penalty.
@@ -69,6 +124,43 @@ pub(crate) struct OnlineRow<'a> {
 /// If the row's slices disagree on the number of heads, `tile` holds fewer than `count` keys
 /// of the queries' width or values of the outputs' width, or ALiBi has no slope per head.
 pub(crate) fn attend_tile(row: &mut OnlineRow, tile: KeyTile, rule: LogitRule) {
+    let (dim, value_dim) = checked_sizes(row, &tile, &rule);
+    attend_f32_checked(row, &tile, &rule, dim, value_dim);
+}
+
+/// [`attend_tile`] for a tile of int8 keys and values, each position's scaled by `scales`:
+/// the scores are `scale · (q · k)` and the values weighted by `e^(logit - max) · scale`, so
+/// that nothing is dequantized into memory.
+///
+/// # Panics
+///
+/// As [`attend_tile`], and if `scales` holds fewer than `count` scales of either kind.
+pub(crate) fn attend_int8_tile(
+    row: &mut OnlineRow,
+    tile: KeyTile<i8>,
+    scales: TileScales,
+    rule: LogitRule,
+) {
+    let (dim, value_dim) = checked_sizes(row, &tile, &rule);
+    let last = tile.count.max(1) - 1;
+    assert!(
+        tile.count == 0
+            || (last * scales.key_stride < scales.keys.len()
+                && last * scales.value_stride < scales.values.len()),
+        "attend_int8_tile: {} positions need as many scales, the tile has {} key and {} value \
+         scales at strides {} and {}",
+        tile.count,
+        scales.keys.len(),
+        scales.values.len(),
+        scales.key_stride,
+        scales.value_stride
+    );
+    attend_int8_checked(row, &tile, &scales, &rule, dim, value_dim);
+}
+
+/// The row's query and value widths, once checked against the tile (what both entry points
+/// check).
+fn checked_sizes<E>(row: &OnlineRow, tile: &KeyTile<E>, rule: &LogitRule) -> (usize, usize) {
     let heads = row.maxima.len();
     assert!(
         heads > 0
@@ -99,39 +191,76 @@ pub(crate) fn attend_tile(row: &mut OnlineRow, tile: KeyTile, rule: LogitRule) {
         tile.keys.len(),
         tile.values.len()
     );
-    attend_tile_checked(row, &tile, &rule, dim, value_dim);
+    (dim, value_dim)
 }
 
 dispatch! {
-    fn attend_tile_checked(
+    fn attend_f32_checked(
         row: &mut OnlineRow,
         tile: &KeyTile,
         rule: &LogitRule,
         dim: usize,
         value_dim: usize
     ) -> () {
-        let heads = row.maxima.len();
-        for first in (0..tile.count).step_by(LANES) {
-            for head in (0..heads).step_by(HEADS) {
-                let part = TilePart {
-                    first,
-                    lanes: LANES.min(tile.count - first),
-                    head,
-                    heads: HEADS.min(heads - head),
-                    dim,
-                    value_dim,
-                };
-                #[cfg(target_arch = "x86_64")]
-                if avx512::takes(tile, rule, part) {
-                    // SAFETY: the CPU has AVX-512F (`takes` checked it), and `attend_tile`
-                    // checked that the tile holds its keys and values and the row whole heads.
-                    unsafe { avx512::attend_part(row, tile, part) };
-                    continue;
-                }
-                attend_part::<FMA>(row, tile, rule, part);
-            }
-        }
+        attend_parts::<FMA, f32>(row, tile, None, rule, (dim, value_dim))
     }
+}
+
+dispatch! {
+    fn attend_int8_checked(
+        row: &mut OnlineRow,
+        tile: &KeyTile<i8>,
+        scales: &TileScales,
+        rule: &LogitRule,
+        dim: usize,
+        value_dim: usize
+    ) -> () {
+        attend_parts::<FMA, i8>(row, tile, Some(scales), rule, (dim, value_dim))
+    }
+}
+
+/// The body of both entry points once checked: each part through the AVX-512 path where it
+/// takes it, else the lane loops.
+#[inline(always)]
+fn attend_parts<const FMA: bool, E: TileElement>(
+    row: &mut OnlineRow,
+    tile: &KeyTile<E>,
+    scales: Option<&TileScales>,
+    rule: &LogitRule,
+    (dim, value_dim): (usize, usize),
+) {
+    for part in parts(tile.count, row.maxima.len(), dim, value_dim) {
+        #[cfg(target_arch = "x86_64")]
+        if avx512::takes(tile, rule, part) {
+            // SAFETY: the CPU has AVX-512F (`takes` checked it); the entry points checked that
+            // the tile holds its keys and values, `scales` (if any) a scale of each kind per
+            // position, and the row whole heads.
+            unsafe { avx512::attend_part(row, tile, scales, part) };
+            continue;
+        }
+        attend_part::<FMA, E>(row, tile, scales, rule, part);
+    }
+}
+
+/// A tile's parts: [`LANES`] positions (fewer at the end) by [`HEADS`] query heads (fewer at
+/// the end), positions outermost.
+#[inline(always)]
+fn parts(
+    count: usize,
+    heads: usize,
+    dim: usize,
+    value_dim: usize,
+) -> impl Iterator<Item = TilePart> {
+    (0..count).step_by(LANES).flat_map(move |first| {
+        (0..heads).step_by(HEADS).map(move |head| TilePart {
+            first,
+            lanes: LANES.min(count - first),
+            head,
+            heads: HEADS.min(heads - head),
+            dim,
+            value_dim,
+        })
+    })
 }
 
 /// Up to [`LANES`] positions of a tile against up to [`HEADS`] query heads.
@@ -153,17 +282,25 @@ struct TilePart {
 /// and dropped, lanes past `part.lanes` masked), so that the arrays stay in registers: with
 /// bounds taken from `part` they went through the stack.
 #[inline(always)]
-fn attend_part<const FMA: bool>(
+fn attend_part<const FMA: bool, E: TileElement>(
     row: &mut OnlineRow,
-    tile: &KeyTile,
+    tile: &KeyTile<E>,
+    scales: Option<&TileScales>,
     rule: &LogitRule,
     part: TilePart,
 ) {
     let mut logits = if part.lanes == LANES && tile.layout == KeyLayout::Columns {
-        column_scores::<FMA>(row.queries, tile, part)
+        column_scores::<FMA, E>(row.queries, tile, part)
     } else {
-        any_scores::<FMA>(row.queries, tile, part)
+        any_scores::<FMA, E>(row.queries, tile, part)
     };
+    if let Some(scales) = scales {
+        for logits in &mut logits {
+            for (lane, logit) in logits.iter_mut().enumerate().take(part.lanes) {
+                *logit *= scales.key(part.first + lane);
+            }
+        }
+    }
     if let Some(cap) = rule.softcap {
         for logits in &mut logits {
             for logit in logits.iter_mut() {
@@ -201,12 +338,20 @@ fn attend_part<const FMA: bool>(
             corrections[h] = correction;
         }
     }
-    weighted_values::<FMA>(row.outputs, tile, part, &logits, &corrections);
+    if let Some(scales) = scales {
+        // The int8 values' scales go into their weights (the sums above are the softmax's).
+        for logits in &mut logits {
+            for (lane, weight) in logits.iter_mut().enumerate().take(part.lanes) {
+                *weight *= scales.value(part.first + lane);
+            }
+        }
+    }
+    weighted_values::<FMA, E>(row.outputs, tile, part, &logits, &corrections);
 }
 
 /// Query heads `part.head..` (the last repeated up to [`HEADS`]), each `part.dim` wide.
 #[inline(always)]
-fn part_queries<'q>(queries: &'q [f32], part: TilePart) -> [&'q [f32]; HEADS] {
+fn part_queries(queries: &[f32], part: TilePart) -> [&[f32]; HEADS] {
     std::array::from_fn(|h| {
         let head = part.head + h.min(part.heads - 1);
         &queries[head * part.dim..][..part.dim]
@@ -215,20 +360,19 @@ fn part_queries<'q>(queries: &'q [f32], part: TilePart) -> [&'q [f32]; HEADS] {
 
 /// The scores `[head][lane]` of a whole part of feature-major keys ([`LANES`] positions).
 #[inline(always)]
-fn column_scores<const FMA: bool>(
+fn column_scores<const FMA: bool, E: TileElement>(
     queries: &[f32],
-    tile: &KeyTile,
+    tile: &KeyTile<E>,
     part: TilePart,
 ) -> [[f32; LANES]; HEADS] {
     let query = part_queries(queries, part);
     let mut sums = [[0.0f32; LANES]; HEADS];
-    // Indices over fixed-size arrays, so that the sums stay in registers.
-    #[allow(clippy::needless_range_loop)]
     for feature in 0..part.dim {
         let start = feature * tile.key_stride + part.first;
-        let keys: &[f32; LANES] = tile.keys[start..start + LANES]
+        let keys: &[E; LANES] = tile.keys[start..start + LANES]
             .try_into()
             .expect("a lane chunk");
+        let keys = keys.map(E::float);
         for h in 0..HEADS {
             let weight = query[h][feature];
             for lane in 0..LANES {
@@ -242,9 +386,9 @@ fn column_scores<const FMA: bool>(
 /// The scores `[head][lane]` of any part (a last, partial block; the step's new rows), lanes
 /// past `part.lanes` left 0: one dot product per score.
 #[inline(always)]
-fn any_scores<const FMA: bool>(
+fn any_scores<const FMA: bool, E: TileElement>(
     queries: &[f32],
-    tile: &KeyTile,
+    tile: &KeyTile<E>,
     part: TilePart,
 ) -> [[f32; LANES]; HEADS] {
     let query = part_queries(queries, part);
@@ -254,12 +398,13 @@ fn any_scores<const FMA: bool>(
         for (h, query) in query.iter().enumerate() {
             sums[h][lane] = match tile.layout {
                 KeyLayout::Columns => query.iter().enumerate().fold(0.0, |sum, (feature, &q)| {
-                    mul_add::<FMA>(q, tile.keys[feature * tile.key_stride + position], sum)
+                    let key = tile.keys[feature * tile.key_stride + position].float();
+                    mul_add::<FMA>(q, key, sum)
                 }),
                 KeyLayout::Rows => query
                     .iter()
                     .zip(&tile.keys[position * tile.key_stride..][..part.dim])
-                    .fold(0.0, |sum, (&q, &k)| mul_add::<FMA>(q, k, sum)),
+                    .fold(0.0, |sum, (&q, &k)| mul_add::<FMA>(q, k.float(), sum)),
             };
         }
     }
@@ -282,9 +427,9 @@ fn lane_max(mut lanes: [f32; LANES]) -> f32 {
 /// `outputs[head] ← outputs[head] · corrections[head] + Σ_lane weights[head][lane] · value[lane]`
 /// for the part's heads, [`VALUE_COLUMNS`] columns at a time.
 #[inline(always)]
-fn weighted_values<const FMA: bool>(
+fn weighted_values<const FMA: bool, E: TileElement>(
     outputs: &mut [f32],
-    tile: &KeyTile,
+    tile: &KeyTile<E>,
     part: TilePart,
     weights: &[[f32; LANES]; HEADS],
     corrections: &[f32; HEADS],
@@ -298,9 +443,10 @@ fn weighted_values<const FMA: bool>(
         let mut sums = [[0.0f32; VALUE_COLUMNS]; HEADS];
         for lane in 0..part.lanes {
             // Fixed-length rows, so that the sums stay in registers.
-            let value: &[f32; VALUE_COLUMNS] = value(lane, start, VALUE_COLUMNS)
+            let value: &[E; VALUE_COLUMNS] = value(lane, start, VALUE_COLUMNS)
                 .try_into()
                 .expect("a whole chunk");
+            let value = value.map(E::float);
             for h in 0..HEADS {
                 let weight = weights[h][lane];
                 for column in 0..VALUE_COLUMNS {
@@ -328,7 +474,7 @@ fn weighted_values<const FMA: bool>(
             for lane in 0..part.lanes {
                 let weight = weights[h][lane];
                 for (output, &value) in output.iter_mut().zip(value(lane, start, columns)) {
-                    *output = mul_add::<FMA>(weight, value, *output);
+                    *output = mul_add::<FMA>(weight, value.float(), *output);
                 }
             }
         }
@@ -336,8 +482,8 @@ fn weighted_values<const FMA: bool>(
 }
 
 /// [`attend_part`] on AVX-512 registers, for feature-major keys without soft cap or ALiBi and
-/// values a whole number of 16-lane vectors wide: the rest of a tile goes through the lane
-/// loops.
+/// values a whole number of 16-lane vectors wide (and, in int8, whole parts of 16 positions,
+/// converted to f32 as they are loaded): the rest of a tile goes through the lane loops.
 ///
 /// Why: compiled from the lane loops, the paged step at 32 sequences of 128-4096 positions
 /// (`decoding` bench, AMD EPYC Zen 5, 2 cores) spent 2.5-3.0 ms in this kernel where these
@@ -346,16 +492,62 @@ fn weighted_values<const FMA: bool>(
 mod avx512 {
     use std::arch::x86_64::*;
 
-    use super::{HEADS, KeyLayout, KeyTile, LANES, LogitRule, OnlineRow, TilePart};
+    use super::{
+        HEADS, KeyLayout, KeyTile, LANES, LogitRule, OnlineRow, TileElement, TilePart, TileScales,
+    };
 
     /// Whether [`attend_part`] takes `part`: the CPU has AVX-512F, the keys are feature-major,
-    /// the logits are the scores and the values are whole vectors.
-    pub(super) fn takes(tile: &KeyTile, rule: &LogitRule, part: TilePart) -> bool {
+    /// the logits are the scores, the values are whole vectors, and an int8 part is a whole
+    /// one (its loads are not masked).
+    pub(super) fn takes<E: TileElement>(
+        tile: &KeyTile<E>,
+        rule: &LogitRule,
+        part: TilePart,
+    ) -> bool {
         tile.layout == KeyLayout::Columns
             && rule.softcap.is_none()
             && rule.alibi.is_none()
             && part.value_dim.is_multiple_of(LANES)
+            && (!E::INT8 || part.lanes == LANES)
             && std::arch::is_x86_feature_detected!("avx512f")
+    }
+
+    /// Sixteen elements from `elements` as floats: the `lanes` of f32 (the others 0), or all
+    /// sixteen i8 converted.
+    ///
+    /// # Safety
+    ///
+    /// The CPU has AVX-512F; the lanes read lie inside the slice `elements` points into (all
+    /// sixteen for i8).
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn load<E: TileElement>(elements: *const E, lanes: __mmask16) -> __m512 {
+        // SAFETY: the caller's; `E` is i8 or f32 as `E::INT8` says.
+        unsafe {
+            if E::INT8 {
+                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(elements.cast())))
+            } else {
+                _mm512_maskz_loadu_ps(lanes, elements.cast())
+            }
+        }
+    }
+
+    /// Sixteen positions' scales from `first` (`stride` apart) as a vector.
+    ///
+    /// # Panics
+    ///
+    /// If they are not all in `scales`.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn scale_vector(scales: &[f32], stride: usize, first: usize) -> __m512 {
+        if stride == 1 {
+            let lanes = &scales[first..first + LANES];
+            // SAFETY: `lanes` is 16 floats.
+            return unsafe { _mm512_loadu_ps(lanes.as_ptr()) };
+        }
+        let lanes: [f32; LANES] = std::array::from_fn(|lane| scales[(first + lane) * stride]);
+        // SAFETY: `lanes` is 16 floats.
+        unsafe { _mm512_loadu_ps(lanes.as_ptr()) }
     }
 
     /// [`super::attend_part`] for a part [`takes`] takes.
@@ -366,9 +558,14 @@ mod avx512 {
     /// `part.value_dim` outputs for heads `part.head..part.head + part.heads`; `tile.keys` holds
     /// `(part.dim - 1) · key_stride + part.first + part.lanes` values and `tile.values`
     /// `(part.first + part.lanes - 1) · value_stride + part.value_dim` (what `attend_tile`
-    /// checks).
+    /// checks); `scales`, if any, one of each kind per position of the tile.
     #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn attend_part(row: &mut OnlineRow, tile: &KeyTile, part: TilePart) {
+    pub(super) unsafe fn attend_part<E: TileElement>(
+        row: &mut OnlineRow,
+        tile: &KeyTile<E>,
+        scales: Option<&TileScales>,
+        part: TilePart,
+    ) {
         let (dim, value_dim) = (part.dim, part.value_dim);
         let head_of = |h: usize| part.head + h.min(part.heads - 1);
         let lanes: __mmask16 = if part.lanes == LANES {
@@ -377,20 +574,29 @@ mod avx512 {
             (1u16 << part.lanes) - 1
         };
         let mut scores = [_mm512_setzero_ps(); HEADS];
-        // SAFETY (the loads): feature `f < dim` of query head `head_of(h)` is in `row.queries`;
-        // the masked key load reads lanes `< part.lanes` of row `f`, inside `tile.keys`.
+        // SAFETY: the loads: feature `f < dim` of query head `head_of(h)` is in `row.queries`;
+        // the key load reads lanes `< part.lanes` of row `f`, inside `tile.keys` (all 16 for
+        // i8, which `takes` only takes whole).
         unsafe {
             let keys = tile.keys.as_ptr().add(part.first);
             let queries: [*const f32; HEADS] =
                 std::array::from_fn(|h| row.queries.as_ptr().add(head_of(h) * dim));
             for feature in 0..dim {
-                let key = _mm512_maskz_loadu_ps(lanes, keys.add(feature * tile.key_stride));
+                let key = load(keys.add(feature * tile.key_stride), lanes);
                 for h in 0..HEADS {
                     let query = _mm512_set1_ps(*queries[h].add(feature));
                     scores[h] = _mm512_fmadd_ps(query, key, scores[h]);
                 }
             }
         }
+        if let Some(scales) = scales {
+            let key_scales = scale_vector(scales.keys, scales.key_stride, part.first);
+            for score in &mut scores {
+                *score = _mm512_mul_ps(*score, key_scales);
+            }
+        }
+        let value_scales =
+            scales.map(|scales| scale_vector(scales.values, scales.value_stride, part.first));
         let mut weights = [[0.0f32; LANES]; HEADS];
         let mut corrections = [1.0f32; HEADS];
         for h in 0..part.heads {
@@ -404,8 +610,11 @@ mod avx512 {
             row.sums[head] = row.sums[head] * correction + _mm512_reduce_add_ps(exponentials);
             row.maxima[head] = max;
             corrections[h] = correction;
+            // The int8 values' scales go into their weights (the sum above is the softmax's).
+            let weight =
+                value_scales.map_or(exponentials, |scales| _mm512_mul_ps(exponentials, scales));
             // SAFETY: `weights[h]` is 16 floats.
-            unsafe { _mm512_storeu_ps(weights[h].as_mut_ptr(), exponentials) };
+            unsafe { _mm512_storeu_ps(weights[h].as_mut_ptr(), weight) };
         }
         let mut start = 0;
         while start < value_dim {
@@ -414,10 +623,10 @@ mod avx512 {
             // heads' outputs are inside `tile.values` and `row.outputs`.
             unsafe {
                 match vectors {
-                    1 => value_pass::<1>(row, tile, part, &weights, &corrections, start),
-                    2 => value_pass::<2>(row, tile, part, &weights, &corrections, start),
-                    3 => value_pass::<3>(row, tile, part, &weights, &corrections, start),
-                    _ => value_pass::<4>(row, tile, part, &weights, &corrections, start),
+                    1 => value_pass::<1, E>(row, tile, part, &weights, &corrections, start),
+                    2 => value_pass::<2, E>(row, tile, part, &weights, &corrections, start),
+                    3 => value_pass::<3, E>(row, tile, part, &weights, &corrections, start),
+                    _ => value_pass::<4, E>(row, tile, part, &weights, &corrections, start),
                 }
             }
             start += LANES * vectors.min(4);
@@ -432,9 +641,9 @@ mod avx512 {
     /// As [`attend_part`], and `start + 16 · VECTORS ≤ part.value_dim`.
     #[inline]
     #[target_feature(enable = "avx512f")]
-    unsafe fn value_pass<const VECTORS: usize>(
+    unsafe fn value_pass<const VECTORS: usize, E: TileElement>(
         row: &mut OnlineRow,
-        tile: &KeyTile,
+        tile: &KeyTile<E>,
         part: TilePart,
         weights: &[[f32; LANES]; HEADS],
         corrections: &[f32; HEADS],
@@ -452,7 +661,7 @@ mod avx512 {
             for lane in 0..part.lanes {
                 let value_row = values.add(lane * tile.value_stride);
                 for v in 0..VECTORS {
-                    let value = _mm512_loadu_ps(value_row.add(v * LANES));
+                    let value = load(value_row.add(v * LANES), u16::MAX);
                     for h in 0..HEADS {
                         let weight = _mm512_set1_ps(weights[h][lane]);
                         sums[h][v] = _mm512_fmadd_ps(weight, value, sums[h][v]);

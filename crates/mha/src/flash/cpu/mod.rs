@@ -134,11 +134,7 @@ impl<'a> Kernel<'a> {
             None => None,
         };
         let broadcast = |mask: &'a FloatTensor<B>| -> Option<BroadcastView<'a>> {
-            Some(BroadcastView::new(
-                B::strided(mask)?,
-                rank_4::<B>(mask),
-                full,
-            ))
+            Some(BroadcastView::new(B::strided(mask)?, rank_4(mask), full))
         };
         let forbid = match &readable.forbid {
             Some(forbid) => Some(broadcast(forbid)?),

@@ -1,8 +1,9 @@
 //! [`attend_tile`] against a softmax computed in f64 over all of a row's positions at once.
 //!
 //! On an AVX-512 machine the cases with feature-major keys, no soft cap, no ALiBi and value
-//! widths a multiple of 16 take the intrinsics path; the others (row-major keys, a soft cap,
-//! ALiBi, value widths 8, 40 or 100) the lane loops, so that both are held to one reference.
+//! widths a multiple of 16 take the intrinsics path (for int8, whole parts of 16 positions);
+//! the others (row-major keys, a soft cap, ALiBi, value widths 8, 40 or 100, int8's partial
+//! parts) the lane loops, so that both are held to one reference, in f32 and in int8.
 
 use super::*;
 
@@ -24,7 +25,21 @@ struct Case {
     layout: KeyLayout,
     softcap: Option<f32>,
     alibi: bool,
+    /// Keys and values in i8 with a scale per position ([`attend_int8_tile`]).
+    int8: bool,
 }
+
+/// A tile's int8 form: `keys`/`values` in the f32 form's layout, and the scales.
+struct Int8Tile {
+    keys: Vec<i8>,
+    values: Vec<i8>,
+    key_scales: Vec<f32>,
+    value_scales: Vec<f32>,
+}
+
+/// Key scales lie side by side, value scales every other element (strides 1 and 2), as an
+/// int8 paged block's scales may.
+const VALUE_SCALE_STRIDE: usize = 2;
 
 /// One tile's keys and values as they would lie in memory, with padding around them so that
 /// reading past the tile is caught by the comparison (the padding is NaN).
@@ -34,20 +49,34 @@ struct StoredTile {
     values: Vec<f32>,
     value_stride: usize,
     count: usize,
+    int8: Option<Int8Tile>,
 }
 
 impl StoredTile {
-    /// Key `i`'s feature `f`.
+    /// Key `i`'s feature `f` (dequantized, for int8).
     fn key(&self, layout: KeyLayout, i: usize, f: usize) -> f32 {
-        match layout {
-            KeyLayout::Columns => self.keys[f * self.key_stride + i],
-            KeyLayout::Rows => self.keys[i * self.key_stride + f],
+        let index = match layout {
+            KeyLayout::Columns => f * self.key_stride + i,
+            KeyLayout::Rows => i * self.key_stride + f,
+        };
+        match &self.int8 {
+            Some(int8) => f32::from(int8.keys[index]) * int8.key_scales[i],
+            None => self.keys[index],
         }
     }
 
     fn value(&self, i: usize, c: usize) -> f32 {
-        self.values[i * self.value_stride + c]
+        let index = i * self.value_stride + c;
+        match &self.int8 {
+            Some(int8) => f32::from(int8.values[index]) * int8.value_scales[i * VALUE_SCALE_STRIDE],
+            None => self.values[index],
+        }
     }
+}
+
+/// `values` (in [-2, 2]) as i8 steps of 1/60, so that every i8 from -120 to 120 occurs.
+fn as_int8(values: &[f32]) -> Vec<i8> {
+    values.iter().map(|v| (v * 60.0).round() as i8).collect()
 }
 
 fn stored_tile(case: &Case, count: usize, salt: usize) -> StoredTile {
@@ -78,12 +107,24 @@ fn stored_tile(case: &Case, count: usize, salt: usize) -> StoredTile {
             *value = f32::NAN;
         }
     }
+    let int8 = case.int8.then(|| Int8Tile {
+        keys: as_int8(&spread_values(key_len, salt)),
+        values: as_int8(&spread_values(count * value_stride, salt + 11)),
+        // Scales that differ by position, larger in later tiles (a new maximum again).
+        key_scales: (0..count)
+            .map(|i| scale * (1.0 + (i % 5) as f32) / 150.0)
+            .collect(),
+        value_scales: (0..count * VALUE_SCALE_STRIDE)
+            .map(|i| (1.0 + (i % 7) as f32) / 90.0)
+            .collect(),
+    });
     StoredTile {
         keys,
         key_stride,
         values,
         value_stride,
         count,
+        int8,
     }
 }
 
@@ -132,7 +173,26 @@ fn check(case: &Case) {
             alibi: case.alibi.then_some(slopes.as_slice()),
             first_distance: total - 1 - first_position,
         };
-        attend_tile(&mut row, key_tile, rule);
+        match &tile.int8 {
+            Some(int8) => {
+                let int8_tile = KeyTile {
+                    keys: int8.keys.as_slice(),
+                    values: int8.values.as_slice(),
+                    key_stride: tile.key_stride,
+                    layout: case.layout,
+                    value_stride: tile.value_stride,
+                    count: tile.count,
+                };
+                let scales = TileScales {
+                    keys: &int8.key_scales,
+                    key_stride: 1,
+                    values: &int8.value_scales,
+                    value_stride: VALUE_SCALE_STRIDE,
+                };
+                attend_int8_tile(&mut row, int8_tile, scales, rule);
+            }
+            None => attend_tile(&mut row, key_tile, rule),
+        }
         first_position += tile.count;
     }
     for head in 0..heads {
@@ -181,18 +241,19 @@ fn check(case: &Case) {
             assert!(
                 (ours - expected).abs() <= 1e-5 * (1.0 + expected.abs()),
                 "heads {heads}, dim {dim}, value_dim {value_dim}, tiles {:?}, {:?}, softcap \
-                 {:?}, alibi {}: head {head} column {c}: {ours} against {expected}",
+                 {:?}, alibi {}, int8 {}: head {head} column {c}: {ours} against {expected}",
                 case.tiles,
                 case.layout,
                 case.softcap,
-                case.alibi
+                case.alibi,
+                case.int8
             );
         }
     }
 }
 
-#[test]
-fn attend_tile_matches_a_softmax_over_all_positions_for_every_shape() {
+/// Every shape of both layouts, in f32 or int8.
+fn matches_for_every_shape(int8: bool) {
     for layout in [KeyLayout::Columns, KeyLayout::Rows] {
         for heads in [1, 3, 4, 5, 8] {
             for (dim, value_dim) in [(1, 8), (16, 16), (17, 40), (64, 64), (32, 80), (64, 100)] {
@@ -205,6 +266,7 @@ fn attend_tile_matches_a_softmax_over_all_positions_for_every_shape() {
                         layout,
                         softcap: None,
                         alibi: false,
+                        int8,
                     });
                 }
             }
@@ -213,110 +275,129 @@ fn attend_tile_matches_a_softmax_over_all_positions_for_every_shape() {
 }
 
 #[test]
+fn attend_tile_matches_a_softmax_over_all_positions_for_every_shape() {
+    matches_for_every_shape(false);
+}
+
+#[test]
+fn attend_int8_tile_matches_a_softmax_over_the_dequantized_positions_for_every_shape() {
+    matches_for_every_shape(true);
+}
+
+#[test]
 fn attend_tile_applies_the_soft_cap_and_alibi_penalty() {
-    for layout in [KeyLayout::Columns, KeyLayout::Rows] {
-        for (softcap, alibi) in [(Some(2.0), false), (None, true), (Some(5.0), true)] {
-            for heads in [1, 4, 6] {
-                check(&Case {
-                    heads,
-                    dim: 24,
-                    value_dim: 64,
-                    tiles: vec![16, 5, 33],
-                    layout,
-                    softcap,
-                    alibi,
-                });
+    for int8 in [false, true] {
+        for layout in [KeyLayout::Columns, KeyLayout::Rows] {
+            for (softcap, alibi) in [(Some(2.0), false), (None, true), (Some(5.0), true)] {
+                for heads in [1, 4, 6] {
+                    check(&Case {
+                        heads,
+                        dim: 24,
+                        value_dim: 64,
+                        tiles: vec![16, 5, 33],
+                        layout,
+                        softcap,
+                        alibi,
+                        int8,
+                    });
+                }
             }
         }
     }
 }
 
+/// Logits that are the scores.
+const PLAIN: LogitRule = LogitRule {
+    softcap: None,
+    alibi: None,
+    first_distance: 0,
+};
+
+/// A row's buffers for the small tests: `queries` and `outputs` wide, `heads` heads, before its
+/// first tile.
+struct RowBuffers {
+    queries: Vec<f32>,
+    outputs: Vec<f32>,
+    maxima: Vec<f32>,
+    sums: Vec<f32>,
+}
+
+impl RowBuffers {
+    fn new(queries: usize, outputs: usize, heads: usize) -> Self {
+        Self {
+            queries: vec![1.0; queries],
+            outputs: vec![0.0; outputs],
+            maxima: vec![f32::NEG_INFINITY; heads],
+            sums: vec![0.0; heads],
+        }
+    }
+
+    fn row(&mut self) -> OnlineRow<'_> {
+        OnlineRow {
+            queries: &self.queries,
+            outputs: &mut self.outputs,
+            maxima: &mut self.maxima,
+            sums: &mut self.sums,
+        }
+    }
+}
+
+/// A feature-major tile of `count` positions over `keys` and `values` (4 features each).
+fn columns_tile<'a, E>(keys: &'a [E], values: &'a [E], count: usize) -> KeyTile<'a, E> {
+    KeyTile {
+        keys,
+        key_stride: count,
+        layout: KeyLayout::Columns,
+        values,
+        value_stride: 4,
+        count,
+    }
+}
+
+#[test]
+#[should_panic(expected = "need as many scales")]
+fn attend_int8_tile_refuses_too_few_scales() {
+    let mut buffers = RowBuffers::new(4, 4, 1);
+    let (keys, values) = ([1i8; 64], [1i8; 64]);
+    // Sixteen positions, fifteen value scales.
+    let scales = TileScales {
+        keys: &[1.0; 16],
+        key_stride: 1,
+        values: &[1.0; 15],
+        value_stride: 1,
+    };
+    attend_int8_tile(
+        &mut buffers.row(),
+        columns_tile(&keys, &values, 16),
+        scales,
+        PLAIN,
+    );
+}
+
 #[test]
 fn attend_tile_leaves_a_row_unchanged_for_an_empty_tile() {
-    let queries = [1.0f32; 8];
-    let mut outputs = [2.0f32; 8];
-    let mut maxima = [0.5f32; 2];
-    let mut sums = [3.0f32; 2];
-    let mut row = OnlineRow {
-        queries: &queries,
-        outputs: &mut outputs,
-        maxima: &mut maxima,
-        sums: &mut sums,
-    };
-    let tile = KeyTile {
-        keys: &[],
-        key_stride: 0,
-        layout: KeyLayout::Columns,
-        values: &[],
-        value_stride: 4,
-        count: 0,
-    };
-    let rule = LogitRule {
-        softcap: None,
-        alibi: None,
-        first_distance: 0,
-    };
-    attend_tile(&mut row, tile, rule);
-    assert_eq!((outputs, maxima, sums), ([2.0; 8], [0.5; 2], [3.0; 2]));
+    let mut buffers = RowBuffers::new(8, 8, 2);
+    buffers.outputs.fill(2.0);
+    buffers.maxima.fill(0.5);
+    buffers.sums.fill(3.0);
+    attend_tile(&mut buffers.row(), columns_tile(&[], &[], 0), PLAIN);
+    assert_eq!(buffers.outputs, [2.0; 8]);
+    assert_eq!((buffers.maxima, buffers.sums), (vec![0.5; 2], vec![3.0; 2]));
 }
 
 #[test]
 #[should_panic(expected = "positions need")]
 fn attend_tile_refuses_a_tile_shorter_than_its_count() {
-    let queries = [1.0f32; 4];
-    let mut outputs = [0.0f32; 4];
-    let mut maxima = [f32::NEG_INFINITY];
-    let mut sums = [0.0f32];
-    let mut row = OnlineRow {
-        queries: &queries,
-        outputs: &mut outputs,
-        maxima: &mut maxima,
-        sums: &mut sums,
-    };
+    let mut buffers = RowBuffers::new(4, 4, 1);
     // Four features of 16 keys need 64 values; 63 are there.
-    let keys = [0.0f32; 63];
-    let values = [0.0f32; 64];
-    let tile = KeyTile {
-        keys: &keys,
-        key_stride: 16,
-        layout: KeyLayout::Columns,
-        values: &values,
-        value_stride: 4,
-        count: 16,
-    };
-    let rule = LogitRule {
-        softcap: None,
-        alibi: None,
-        first_distance: 0,
-    };
-    attend_tile(&mut row, tile, rule);
+    let (keys, values) = ([0.0f32; 63], [0.0f32; 64]);
+    attend_tile(&mut buffers.row(), columns_tile(&keys, &values, 16), PLAIN);
 }
 
 #[test]
 #[should_panic(expected = "whole heads")]
 fn attend_tile_refuses_queries_that_are_not_whole_heads() {
-    let queries = [1.0f32; 5];
-    let mut outputs = [0.0f32; 4];
-    let mut maxima = [f32::NEG_INFINITY; 2];
-    let mut sums = [0.0f32; 2];
-    let mut row = OnlineRow {
-        queries: &queries,
-        outputs: &mut outputs,
-        maxima: &mut maxima,
-        sums: &mut sums,
-    };
-    let tile = KeyTile {
-        keys: &[],
-        key_stride: 0,
-        layout: KeyLayout::Rows,
-        values: &[],
-        value_stride: 2,
-        count: 0,
-    };
-    let rule = LogitRule {
-        softcap: None,
-        alibi: None,
-        first_distance: 0,
-    };
-    attend_tile(&mut row, tile, rule);
+    // Five queries do not make two heads.
+    let mut buffers = RowBuffers::new(5, 4, 2);
+    attend_tile(&mut buffers.row(), columns_tile(&[], &[], 0), PLAIN);
 }
