@@ -1,19 +1,24 @@
-//! The GPU table: this crate's module (`AttentionPath::Auto`: the native CubeCL flash kernels
-//! for training), Burn's `burn::nn::attention::MultiHeadAttention`, and Burn's fused attention
-//! op (`burn::tensor::module::attention`, run through this crate's module with
+//! The GPU table: this crate's module (`AttentionPath::Auto`, and its flash and explicit paths
+//! forced), Burn's `burn::nn::attention::MultiHeadAttention`, and Burn's fused attention op
+//! (`burn::tensor::module::attention`, run through this crate's module with
 //! `AttentionPath::Fused`: the same projections, Burn's kernel for the attention itself; under
 //! autodiff Burn runs it as its decomposed fallback), in time and peak device memory.
 //!
 //! ```sh
 //! cargo bench --workspace --features burn-mha/wgpu,train-demo/ndarray,train-demo/wgpu \
 //!     --bench gpu -- --devices wgpu
-//! # a CUDA build (builds without a GPU; the CUDA runtime is loaded when it starts):
-//! cargo bench -p mha --features cuda --bench gpu -- --devices cuda,wgpu
+//! # a CUDA build (`bash scripts/cuda-sdk.sh` first; it builds without a GPU, the CUDA driver is
+//! # loaded when it starts); `benches/gpu/device-run.sh` runs the whole table on a GPU machine:
+//! cargo bench --workspace --features burn-mha/wgpu,burn-mha/cuda --bench gpu -- --devices cuda
 //! ```
 //!
-//! Options: `--devices cuda,wgpu` (default `wgpu`), `--shapes BxLxExH,…` (default the three
-//! shapes below), `--dtypes f32,bf16` (default both), `--modes fwd,fwd+bwd` (default both),
-//! `--runs N` (timed runs per cell after one warm-up, default 5).
+//! Options:
+//! - `--devices cuda,wgpu` (default `wgpu`), `--shapes BxLxExH,…` (default the three shapes
+//!   below), `--dtypes f32,bf16` (default both; `f16` too), `--modes fwd,fwd+bwd` (default both);
+//! - `--implementations ours,ours-flash,ours-explicit,burn-mha,burn-fused` (default all);
+//! - `--runs N` (timed runs per cell after one warm-up, default 5);
+//! - `--cell-timeout S` (seconds a cell may take, warm-up and compilation included; default
+//!   none): a cell past it is stopped and reported as such, and the table goes on.
 //!
 //! Each cell runs in a fresh process, so that one cell's memory pool is not another's: the
 //! device is configured for the cell's float type first (parameters and inputs in it), one
@@ -26,19 +31,22 @@
 #[path = "common/memory.rs"]
 mod memory;
 
-use std::process::Command;
-use std::time::Instant;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
 
 use burn::nn::attention::{MhaInput as BurnMhaInput, MultiHeadAttentionConfig as BurnMhaConfig};
 use burn::tensor::{Device, DeviceKind, Distribution, FloatDType, Tensor};
 use memory::peak_rss_mib;
-use mha::{AttentionPath, MhaInput, MultiHeadAttentionConfig};
+use mha::{AttentionPath, BlockSizes, MhaInput, MultiHeadAttentionConfig};
 
 /// The issue's shapes: batch × tokens × d_model × heads.
 const SHAPES: [&str; 3] = ["8x1024x1024x16", "4x4096x1024x16", "1x16384x1024x16"];
 
-const IMPLEMENTATIONS: [(&str, &str); 3] = [
+/// Each implementation's name on the command line and in the table.
+const IMPLEMENTATIONS: [(&str, &str); 5] = [
     ("ours", "ours (Auto)"),
+    ("ours-flash", "ours (Flash)"),
+    ("ours-explicit", "ours (Explicit)"),
     ("burn-mha", "Burn MHA"),
     ("burn-fused", "Burn fused op"),
 ];
@@ -131,9 +139,11 @@ fn run_cell(cell: &Cell) {
         &device,
     );
     let mut step: Box<dyn FnMut() -> Tensor<1>> = match cell.implementation.as_str() {
-        "ours" | "burn-fused" => {
+        "ours" | "ours-flash" | "ours-explicit" | "burn-fused" => {
             let path = match cell.implementation.as_str() {
                 "ours" => AttentionPath::Auto,
+                "ours-flash" => AttentionPath::Flash(BlockSizes::default()),
+                "ours-explicit" => AttentionPath::Explicit,
                 _ => AttentionPath::Fused,
             };
             let module = MultiHeadAttentionConfig::new(d_model, heads).init(&device);
@@ -200,13 +210,31 @@ fn reduce(context: Tensor<3>, x: &Tensor<3>, training: bool) -> Tensor<1> {
     }
 }
 
-/// Runs `cell` in a fresh process: `(ms, reserved MiB, peak RSS MiB)`, or why it failed.
-fn spawn(cell: &Cell) -> Result<(f64, f64, f64), String> {
+/// Runs `cell` in a fresh process, stopped after `timeout`: `(ms, reserved MiB, peak RSS
+/// MiB)`, or why it failed.
+fn spawn(cell: &Cell, timeout: Option<Duration>) -> Result<(f64, f64, f64), String> {
     let exe = std::env::current_exe().expect("own path");
-    let output = Command::new(exe)
+    let mut child = Command::new(exe)
         .args(cell.args())
-        .output()
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
         .expect("spawn a cell");
+    let started = Instant::now();
+    // Polled, so that a cell past its time can be stopped; pipes are read after it exits (a
+    // cell writes a few lines, well under a pipe's buffer).
+    while child.try_wait().expect("wait for a cell").is_none() {
+        if timeout.is_some_and(|timeout| started.elapsed() > timeout) {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(format!(
+                "stopped after {:.0} s (--cell-timeout)",
+                started.elapsed().as_secs_f64()
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let output = child.wait_with_output().expect("a cell's output");
     let stdout = String::from_utf8_lossy(&output.stdout);
     let fields: Vec<f64> = stdout
         .lines()
@@ -245,7 +273,12 @@ fn main() {
     let mut shapes: Vec<[usize; 4]> = SHAPES.iter().map(|s| parse_shape(s)).collect();
     let mut dtypes = vec!["f32".to_string(), "bf16".to_string()];
     let mut modes = vec!["fwd".to_string(), "fwd+bwd".to_string()];
+    let mut implementations: Vec<String> = IMPLEMENTATIONS
+        .iter()
+        .map(|(name, _)| name.to_string())
+        .collect();
     let mut runs = 5;
+    let mut timeout = None;
     let mut args = args.into_iter();
     let list = |text: String| text.split(',').map(str::to_string).collect::<Vec<_>>();
     while let Some(arg) = args.next() {
@@ -255,26 +288,41 @@ fn main() {
             "--shapes" => shapes = value().split(',').map(parse_shape).collect(),
             "--dtypes" => dtypes = list(value()),
             "--modes" => modes = list(value()),
+            "--implementations" => implementations = list(value()),
             "--runs" => runs = value().parse().expect("--runs: a count"),
+            "--cell-timeout" => {
+                let seconds: f64 = value().parse().expect("--cell-timeout: seconds");
+                timeout = Some(Duration::from_secs_f64(seconds));
+            }
             // `cargo bench` passes `--bench`; the other libtest flags mean nothing here.
             _ => {}
         }
     }
+    for name in &implementations {
+        assert!(
+            IMPLEMENTATIONS.iter().any(|(known, _)| known == name),
+            "--implementations: unknown implementation {name} ({})",
+            IMPLEMENTATIONS.map(|(known, _)| known).join(", ")
+        );
+    }
     println!(
         "median of {runs} runs after a warm-up, each cell in a fresh process; memory: the \
          device allocator's reserved bytes (peak RSS: host memory, which lavapipe's device \
-         memory is)\n"
+         memory is); the last column: the cell's time over the first implementation's of its shape\n"
     );
     println!(
-        "| device | type | batch, seq, d_model, heads | mode | implementation | ms | reserved MiB | peak RSS MiB | vs ours |"
+        "| device | type | batch, seq, d_model, heads | mode | implementation | ms | reserved MiB | peak RSS MiB | vs first |"
     );
     println!("|---|---|---|---|---|---|---|---|---|");
     for device in &devices {
         for dtype in &dtypes {
             for &shape in &shapes {
                 for mode in &modes {
-                    let mut ours_ms = None;
-                    for (implementation, label) in IMPLEMENTATIONS {
+                    let mut first_ms = None;
+                    for (implementation, label) in IMPLEMENTATIONS
+                        .into_iter()
+                        .filter(|(name, _)| implementations.iter().any(|wanted| wanted == name))
+                    {
                         let cell = Cell {
                             device: device.clone(),
                             dtype: dtype.clone(),
@@ -287,13 +335,10 @@ fn main() {
                         let prefix = format!(
                             "| {device} | {dtype} | {b}, {l}, {e}, {h} | {mode} | {label} |"
                         );
-                        match spawn(&cell) {
+                        match spawn(&cell, timeout) {
                             Ok((ms, reserved, rss)) => {
-                                if implementation == "ours" {
-                                    ours_ms = Some(ms);
-                                }
-                                let ratio = ours_ms
-                                    .map_or(String::new(), |ours| format!("{:.2}x", ms / ours));
+                                let first = *first_ms.get_or_insert(ms);
+                                let ratio = format!("{:.2}x", ms / first);
                                 println!("{prefix} {ms:.1} | {reserved:.0} | {rss:.0} | {ratio} |");
                             }
                             Err(reason) => println!("{prefix} {reason} | | | |"),

@@ -3,7 +3,7 @@
 
 use burn::tensor::Device;
 
-use crate::flash::{FlashKernel, flash_kernel};
+use crate::flash::{CubeTraits, FlashKernel, cube_traits, flash_kernel};
 use crate::input::{AttentionPath, BlockSizes, NeedWeights};
 
 /// Above this many score elements (`batch · n_heads · seq_q · seq_k`, 64 Mi: 256 MiB of f32
@@ -39,6 +39,28 @@ pub(crate) const LONG_ROW_BLOCKS: BlockSizes = BlockSizes {
     query: 256,
     key: 1024,
 };
+
+/// `[batch, n_heads, seq_q, seq_k]` tensors the explicit path keeps for a training step (the
+/// scores, the probabilities, and their gradients in the backward), each counted at 4 bytes an
+/// element.
+const EXPLICIT_TRAINING_SCORE_BYTES: u64 = 4 * 4;
+
+/// The memory [`AttentionPath::Auto`] assumes a CubeCL device has where it does not say.
+const UNSTATED_DEVICE_MEMORY: u64 = 16 << 30;
+
+/// Whether [`AttentionPath::Auto`] trains on the CubeCL flash kernels on a device with `traits`
+/// (documented on `Auto`). Where the device has no tensor cores the flash kernels are faster
+/// than the explicit path at every shape measured on lavapipe, `fwd+bwd` f32 (`cargo bench
+/// --bench gpu`, 2026-12-02): (8, 128, 256, 8) 242 against 275 ms, (2, 1024, 256, 4) 806-981
+/// against 1044 ms, (1, 2048, 512, 8) 2965 against 4954 ms, in 1/7 to 1/12 of the memory. On
+/// tensor cores, Burn's matmuls have hardware the kernels do not use and no GPU has measured
+/// the two yet: the explicit path, unless the scores it keeps would take more than half of the
+/// device's memory.
+fn cube_flash_trains(traits: CubeTraits, score_elements: usize) -> bool {
+    let explicit_bytes = (score_elements as u64).saturating_mul(EXPLICIT_TRAINING_SCORE_BYTES);
+    let room = traits.memory.unwrap_or(UNSTATED_DEVICE_MEMORY) / 2;
+    !traits.tensor_cores || explicit_bytes > room
+}
 
 /// The implementation one forward uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -124,10 +146,15 @@ pub(crate) fn choose_kernel(request: &KernelRequest) -> Kernel {
                 BlockSizes::default()
             })
         }
-        // Elsewhere (the CubeCL backends, `flash/cube/`) for training, where it keeps memory
-        // `O(seq)` instead of the explicit path's `O(seq²)`; inference goes to Burn's fused
-        // kernel below, which autotunes on the device (no GPU was at hand to measure against).
-        AttentionPath::Auto if flash_blocker.is_none() && request.device.is_autodiff() => {
+        // Elsewhere (the CubeCL backends, `flash/cube/`) for training where it was measured
+        // faster or the explicit path's scores would not fit (`cube_flash_trains`); inference
+        // goes to Burn's fused kernel below, which autotunes on the device.
+        AttentionPath::Auto
+            if flash_blocker.is_none()
+                && request.device.is_autodiff()
+                && cube_traits(request.device)
+                    .is_some_and(|traits| cube_flash_trains(traits, request.score_elements)) =>
+        {
             Kernel::Flash(BlockSizes::default())
         }
         // Without the flash op, Burn's autodiff runs the fused op as a decomposed fallback that
@@ -301,6 +328,35 @@ mod tests {
                 "forced blocks are the caller's"
             );
         }
+    }
+
+    /// Without tensor cores the CubeCL kernels train at every size; with them, only where the
+    /// explicit path's scores would take more than half of the device's memory (16 GiB
+    /// assumed where the device does not say).
+    #[test]
+    fn cube_devices_train_on_the_flash_kernels_without_tensor_cores_or_room() {
+        let gib = 1u64 << 30;
+        let software = CubeTraits {
+            tensor_cores: false,
+            memory: None,
+        };
+        let gpu = CubeTraits {
+            tensor_cores: true,
+            memory: Some(80 * gib),
+        };
+        // 4 tensors of 4 bytes: 1 Gi score elements are 16 GiB.
+        let giga = 1usize << 30;
+        assert!(cube_flash_trains(software, 1));
+        assert!(!cube_flash_trains(gpu, 1));
+        assert!(!cube_flash_trains(gpu, 2 * giga), "32 GiB of 80 fit");
+        assert!(cube_flash_trains(gpu, 3 * giga), "48 GiB of 80 do not");
+        let unstated = CubeTraits {
+            memory: None,
+            ..gpu
+        };
+        assert!(!cube_flash_trains(unstated, giga / 2), "8 GiB of 16 fit");
+        assert!(cube_flash_trains(unstated, giga), "16 GiB of 16 do not");
+        assert!(cube_flash_trains(gpu, usize::MAX), "no overflow");
     }
 
     #[test]

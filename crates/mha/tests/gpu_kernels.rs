@@ -283,8 +283,10 @@ fn assert_flash_equals_explicit(device: &Device, sizes: Sizes, cases: &[Case], t
 }
 
 /// Every case, GQA, causal with more queries than keys and fewer, and lengths spanning
-/// several query and key tiles: the kernels' outputs and gradients (and the generic body's,
-/// for sinks and segments) equal the explicit path's within 1e-4.
+/// several key tiles (45 × 70) and several cubes of queries and of keys with partial tiles on
+/// both sides (300 × 530: the kernels' blocks are 256 rows, their tiles 16): the kernels'
+/// outputs and gradients (and the generic body's, for sinks and segments) equal the explicit
+/// path's within 1e-4.
 #[test]
 fn the_gpu_kernels_equal_the_explicit_path_in_outputs_and_gradients() {
     let Some(device) = wgpu_device() else {
@@ -293,7 +295,7 @@ fn the_gpu_kernels_equal_the_explicit_path_in_outputs_and_gradients() {
     assert!(flash_attention_supported(&device));
     let device = device.autodiff();
     let _seeded = common::seed(&device, 37);
-    for (seq_q, seq_k) in [(5, 7), (7, 3), (45, 70)] {
+    for (seq_q, seq_k) in [(5, 7), (7, 3), (45, 70), (300, 530)] {
         let sizes = Sizes::grouped(seq_q, seq_k);
         assert_flash_equals_explicit(&device, sizes, &cases(&device, sizes, None), 1e-4);
     }

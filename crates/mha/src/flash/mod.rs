@@ -319,6 +319,32 @@ pub(crate) fn flash_kernel(device: &Device) -> Option<FlashKernel> {
     cube(device.as_dispatch()).then_some(FlashKernel::Cube)
 }
 
+/// What a CubeCL device says of itself that [`AttentionPath::Auto`](crate::AttentionPath::Auto)
+/// weighs for training (`dispatch.rs`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct CubeTraits {
+    /// The device multiplies matrices on tensor cores (CubeCL's `cmma`): Burn's matmuls use
+    /// them, the flash kernels (FMA tiles) do not.
+    pub tensor_cores: bool,
+    /// Its memory in bytes, where it says.
+    pub memory: Option<u64>,
+}
+
+/// [`CubeTraits`] of `device` (or of the device under its autodiff), `None` where it is not a
+/// CubeCL device with the flash kernels.
+pub(crate) fn cube_traits(device: &Device) -> Option<CubeTraits> {
+    fn of(device: &DispatchDevice) -> Option<CubeTraits> {
+        match device {
+            #[cfg(feature = "cube")]
+            DispatchDevice::Cube(device) => Some(cube::device_traits(device)),
+            DispatchDevice::Autodiff(inner) => of(inner),
+            #[allow(unreachable_patterns)]
+            _ => None,
+        }
+    }
+    of(device.as_dispatch())
+}
+
 /// Memory-bounded attention with a recomputing backward, on split heads, run as `execution`
 /// says.
 ///

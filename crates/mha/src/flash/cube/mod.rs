@@ -1,10 +1,14 @@
 //! The flash op's native CubeCL kernels (wgpu, Vulkan, Metal, CUDA, ROCm): a forward that
 //! writes the output and each query's softmax statistics, and FlashAttention-2's backward
 //! (`D = rowsum(dO ∘ O)`, then `dQ` and `dK`/`dV` kernels that recompute every score tile
-//! from the statistics). Tiled through shared memory; GQA reads each key/value head for its
-//! whole group (no copies); bottom-right causal masking skips whole tiles; a float bias, key
-//! padding, a custom scale, a soft cap, windows and ALiBi are applied per score. Inputs are
-//! read in their float type and everything is accumulated in f32.
+//! from the statistics). Work per tile, not per score: a cube per block of rows, each unit
+//! owning several rows and every column of a score tile staged through shared memory, the
+//! two products of each tile as register-tiled FMAs (`tile.rs`), the online rescale once per
+//! tile. GQA reads each key/value head for its whole group (no copies); bottom-right causal
+//! masking skips whole tiles; tiles that nothing hides take no per-score mask work
+//! (`score.rs`), the others apply a float bias, key padding, windows and causal rules per
+//! score; a custom scale, a soft cap and ALiBi everywhere. Inputs are read in their float type,
+//! in vectors, and everything is accumulated in f32.
 //!
 //! Burn runs the CubeCL backends through its fusion backend: the kernels are registered as
 //! custom fusion operations (the `CubeFlashKernels` extension below), so they queue lazily
@@ -17,9 +21,12 @@
 
 mod backward;
 mod forward;
+mod plan;
 mod score;
+mod tile;
 
 use burn::backend::fusion::custom::TensorSpec;
+use burn::backend::ops::{BoolTensorOps, FloatTensorOps};
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Backend, DType, ExtensionType, Shape, TensorData, TensorMetadata};
 use burn::backend::{FloatDType, backend_extension};
@@ -35,16 +42,14 @@ use super::{FlashAttentionBackend, FlashKernels, generic, native_or_generic, pre
 use crate::execution::{Pass, Ran};
 use crate::extension::{MaybeBool, MaybeFloat};
 use crate::geometry::Geometry;
+use plan::{Executor, Plan};
 use score::{Flags, ProblemLaunch, StridesLaunch};
 
 /// The widest query/key and value heads the kernels keep in registers.
 pub(crate) const MAX_HEAD_DIM: usize = 256;
 
-/// Queries per cube in the forward and `dQ` kernels, keys per cube in the `dK`/`dV` kernel.
-const UNITS: usize = 32;
-
-/// Shared memory the kernels plan for (the least a Vulkan device must offer is 16 KiB).
-const SHARED_BYTES: usize = 16 * 1024;
+/// Units per cube of the `D = rowsum(dO ∘ O)` kernel.
+const ROW_DOT_UNITS: usize = 256;
 
 /// What a native call computes besides its tensors.
 #[derive(Debug, Clone)]
@@ -175,10 +180,12 @@ struct CallTraits {
     sinks: bool,
     segments: bool,
     geometry: Geometry,
+    executor: Executor,
 }
 
 impl CallTraits {
-    fn of<B: Backend>(inputs: &FlashInputs<B>) -> Self {
+    fn of(inputs: &FlashInputs<burn::backend::Cube>) -> Self {
+        let device = inputs.query.device();
         Self {
             query: inputs.query.dtype(),
             key: inputs.key.dtype(),
@@ -187,11 +194,13 @@ impl CallTraits {
             sinks: inputs.sinks.is_some(),
             segments: inputs.params.rules.segments.is_some(),
             geometry: inputs.geometry(),
+            executor: Executor::of(device.client().properties()),
         }
     }
 
     /// Whether the kernels take the call: no sinks or segments, one float type the kernels
-    /// read for every float input, head widths they keep in registers, no empty axis.
+    /// read for every float input, head widths they keep in registers, no empty axis, and
+    /// loops the device runs to the end.
     fn taken(&self) -> bool {
         let dtype = self.query;
         let geometry = &self.geometry;
@@ -205,18 +214,20 @@ impl CallTraits {
             && geometry.seq_q > 0
             && geometry.seq_k > 0
             && geometry.batch * geometry.n_heads > 0
+            && Plan::new(geometry, self.executor).runs_to_the_end(geometry, self.executor)
     }
 }
 
 impl NativeCall {
     /// The kernels' form of `inputs`, or `None` for what they do not take ([`CallTraits`]).
-    fn of<B: Backend>(inputs: &FlashInputs<B>) -> Option<NativeInputs<B>> {
+    fn of(inputs: &FlashInputs<burn::backend::Cube>) -> Option<NativeInputs<burn::backend::Cube>> {
         if !CallTraits::of(inputs).taken() {
             return None;
         }
         let rules = &inputs.params.rules;
         let dtype = inputs.query.dtype();
         let device = inputs.query.device();
+        type B = burn::backend::Cube;
         let placeholder = || B::float_zeros(Shape::new([1]), &device, FloatDType::from(dtype));
         let call = NativeCall {
             scale: inputs.params.scale as f32,
@@ -334,19 +345,11 @@ super::kernel_routed_extension!(burn::backend::Cube);
 
 /// What the launches derive from a call's sizes.
 trait LaunchSizes {
-    fn tile_rows(&self) -> usize;
     fn problem(&self, call: &NativeCall, bias: &CubeTensor, forbid: &CubeTensor) -> ProblemLaunch;
     fn flags(&self, call: &NativeCall) -> Flags;
 }
 
 impl LaunchSizes for Geometry {
-    /// Keys per shared-memory tile (queries per tile in the `dK`/`dV` kernel): as many as
-    /// fit, up to one per unit.
-    fn tile_rows(&self) -> usize {
-        let row_bytes = (self.head_dim + self.value_dim + 3) * size_of::<f32>();
-        (SHARED_BYTES / row_bytes).clamp(1, UNITS)
-    }
-
     fn problem(&self, call: &NativeCall, bias: &CubeTensor, forbid: &CubeTensor) -> ProblemLaunch {
         let strides = |tensor: &CubeTensor, used: bool| {
             let [batch, head, query, key] = if used {
@@ -405,6 +408,21 @@ fn broadcast_strides(tensor: &CubeTensor) -> [u32; 4] {
     strides
 }
 
+/// What `device` tells `AttentionPath::Auto` (see [`CubeTraits`](super::CubeTraits)).
+pub(crate) fn device_traits(device: &cubecl::Device) -> super::CubeTraits {
+    let client = device.client();
+    let properties = client.properties();
+    super::CubeTraits {
+        tensor_cores: !properties.features.matmul.cmma.is_empty(),
+        memory: properties.memory.max_memory(),
+    }
+}
+
+/// What runs `client`'s kernels.
+fn executor(client: &cubecl::client::Client) -> Executor {
+    Executor::of(client.properties())
+}
+
 fn address_type(tensors: &[&CubeTensor]) -> AddressType {
     tensors
         .iter()
@@ -442,11 +460,17 @@ impl CubeFlashKernels for CubeBackend {
         );
         let address = address_type(&[&query, &key, &value, &bias, &forbid, &output]);
         let problem = sizes.problem(&call, &bias, &forbid);
+        let tiling = Plan::new(&sizes, executor(&client)).query_side;
         forward::forward_kernel::launch(
             &client,
-            CubeCount::Static(to_u32(sizes.seq_q.div_ceil(UNITS)), to_u32(rows), 1),
-            CubeDim::new_1d(UNITS as u32),
+            CubeCount::Static(
+                to_u32(sizes.seq_q.div_ceil(tiling.units * tiling.rows)),
+                to_u32(rows),
+                1,
+            ),
+            CubeDim::new_1d(tiling.units as u32),
             address,
+            plan::vector_size(&sizes),
             query.into_tensor_arg(),
             key.into_tensor_arg(),
             value.into_tensor_arg(),
@@ -457,8 +481,7 @@ impl CubeFlashKernels for CubeBackend {
             stats.clone().into_tensor_arg(),
             problem,
             sizes.flags(&call),
-            UNITS,
-            sizes.tile_rows(),
+            tiling,
             burn::backend::cubecl::dtype_to_storage_type(dtype),
         );
         NativeForward { output, stats }
@@ -525,10 +548,10 @@ impl CubeFlashKernels for CubeBackend {
             &stats,
         ]);
 
-        let cube_dim = CubeDim::new(&client, query_rows);
+        let cube_dim = CubeDim::new_1d(ROW_DOT_UNITS as u32);
         backward::row_dot_kernel::launch(
             &client,
-            cubecl::calculate_cube_count_elemwise(&client, query_rows, cube_dim),
+            CubeCount::Static(to_u32(query_rows.div_ceil(ROW_DOT_UNITS)), 1, 1),
             cube_dim,
             address,
             output.into_tensor_arg(),
@@ -537,15 +560,18 @@ impl CubeFlashKernels for CubeBackend {
             sizes.value_dim,
             storage,
         );
+        let plan = Plan::new(&sizes, executor(&client));
+        let query_tiling = plan.query_side;
         backward::query_grad_kernel::launch(
             &client,
             CubeCount::Static(
-                to_u32(sizes.seq_q.div_ceil(UNITS)),
+                to_u32(sizes.seq_q.div_ceil(query_tiling.units * query_tiling.rows)),
                 to_u32(sizes.batch * sizes.n_heads),
                 1,
             ),
-            CubeDim::new_1d(UNITS as u32),
+            CubeDim::new_1d(query_tiling.units as u32),
             address,
+            plan::vector_size(&sizes),
             query.clone().into_tensor_arg(),
             key.clone().into_tensor_arg(),
             value.clone().into_tensor_arg(),
@@ -558,19 +584,20 @@ impl CubeFlashKernels for CubeBackend {
             query_grad.clone().into_tensor_arg(),
             sizes.problem(&call, &bias, &forbid),
             sizes.flags(&call),
-            UNITS,
-            sizes.tile_rows(),
+            query_tiling,
             storage,
         );
+        let key_tiling = plan.key_side;
         backward::key_value_grad_kernel::launch(
             &client,
             CubeCount::Static(
-                to_u32(sizes.seq_k.div_ceil(UNITS)),
+                to_u32(sizes.seq_k.div_ceil(key_tiling.units * key_tiling.rows)),
                 to_u32(sizes.batch * sizes.n_kv_heads),
                 1,
             ),
-            CubeDim::new_1d(UNITS as u32),
+            CubeDim::new_1d(key_tiling.units as u32),
             address,
+            plan::vector_size(&sizes),
             query.into_tensor_arg(),
             key.into_tensor_arg(),
             value.into_tensor_arg(),
@@ -584,8 +611,7 @@ impl CubeFlashKernels for CubeBackend {
             value_grad.clone().into_tensor_arg(),
             sizes.problem(&call, &bias, &forbid),
             sizes.flags(&call),
-            sizes.tile_rows(),
-            UNITS,
+            key_tiling,
             storage,
         );
         NativeGrads {

@@ -1,7 +1,9 @@
-//! What the three kernels agree on: the problem's sizes and rules as launch arguments, and one
-//! score `q·k` turned into the logit the softmax sees (soft cap, float bias, ALiBi) or found
-//! hidden (causal, window, key padding, a `-inf` bias). Forward and backward call the same
-//! functions, so a recomputed probability is the forward's to the last bit.
+//! What the three kernels agree on: the problem's sizes and rules as launch arguments, and a
+//! unit's score tile turned into the logits the softmax sees (scale, soft cap, ALiBi, float
+//! bias) or found hidden (causal, window, key padding, a `-inf` bias). A tile that nothing
+//! hides ([`tile_unmasked`], decided once per tile for the whole cube) takes only the first
+//! three, the same arithmetic the others start from, so forward and backward, which group
+//! scores into tiles differently, recompute each probability to the forward's last bit.
 
 // `#[cube]` expands a subset of Rust into kernel IR: the integer `div_ceil` and `if`
 // conditions mixing a comptime flag with a runtime test are kept in the forms it expands.
@@ -9,6 +11,8 @@
 
 use burn_cubecl::cubecl;
 use cubecl::prelude::*;
+
+use super::tile::{HIDDEN, Tiling, unit_row};
 
 /// Sizes, scalars and rules of one call, shared by every kernel of the op.
 #[derive(CubeLaunch, CubeType)]
@@ -65,12 +69,18 @@ fn offset(strides: &Strides, batch: u32, head: u32, query: u32, key: u32) -> usi
     offset as usize
 }
 
-/// A logit, whether the softmax sees it, and `d logit / d(q·k·scale)` (the soft cap's slope).
+/// A logit before the masks, and `d logit / d(q·k·scale)` (the soft cap's slope).
 #[derive(CubeType)]
 pub struct Logit {
     pub value: f32,
-    pub visible: bool,
     pub slope: f32,
+}
+
+/// A logit after the masks, and whether the softmax sees it.
+#[derive(CubeType)]
+pub struct Masked {
+    pub value: f32,
+    pub visible: bool,
 }
 
 /// The absolute position of key `key`.
@@ -105,17 +115,14 @@ pub fn rules_allow(problem: &Problem, query: u32, key: u32, #[comptime] flags: F
     allowed
 }
 
-/// The logit of `dot = q·k` for query `query` and key `key` of head `head` in batch element
-/// `batch`.
+/// The logit of `dot = q·k` for query `query` and key `key` of head `head`, before any rule,
+/// mask or float bias: the scale, the soft cap and ALiBi. What a tile that nothing hides
+/// computes per score ([`tile_unmasked`]); [`masked_logit`] adds the rest to the same value.
 #[cube]
-#[allow(clippy::too_many_arguments)]
-pub fn logit<E: Float>(
+pub fn unmasked_logit(
     problem: &Problem,
-    bias: &Tensor<E>,
-    forbid: &Tensor<E>,
     slopes: &Tensor<f32>,
     dot: f32,
-    batch: u32,
     head: u32,
     query: u32,
     key: u32,
@@ -128,12 +135,32 @@ pub fn logit<E: Float>(
         value = problem.softcap * capped;
         slope = 1.0f32 - capped * capped;
     }
-    if flags.has_bias {
-        value += f32::cast_from(bias[offset(&problem.bias, batch, head, query, key)]);
-    }
     if flags.has_alibi && key < problem.positional {
         let distance = problem.query_start + i32::cast_from(query) - key_position(problem, key);
         value -= slopes[head as usize] * f32::cast_from(distance).abs();
+    }
+    Logit { value, slope }
+}
+
+/// What the masks make of `unmasked`, the [`unmasked_logit`] of query `query` and key `key` of
+/// head `head` in batch element `batch`: the logit with the float bias added, and whether the
+/// rules, the forbidden keys and a `-inf` bias leave it visible.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn masked_logit<E: Float>(
+    problem: &Problem,
+    bias: &Tensor<E>,
+    forbid: &Tensor<E>,
+    unmasked: f32,
+    batch: u32,
+    head: u32,
+    query: u32,
+    key: u32,
+    #[comptime] flags: Flags,
+) -> Masked {
+    let mut value = unmasked;
+    if flags.has_bias {
+        value += f32::cast_from(bias[offset(&problem.bias, batch, head, query, key)]);
     }
     let mut visible = rules_allow(problem, query, key, flags);
     if flags.has_forbid {
@@ -145,11 +172,60 @@ pub fn logit<E: Float>(
     if value < -3.4028235e38f32 {
         visible = false;
     }
-    Logit {
-        value,
-        visible,
-        slope,
+    Masked { value, visible }
+}
+
+/// Whether every query of `first_query..=last_query` sees every key of `first_key..=last_key`
+/// with nothing read per score but the scores themselves: no forbidden keys or float bias (a
+/// bias may be `-inf`), every key before `seq_k`, and no causal or window rule hiding any pair.
+/// Such a tile takes [`unmasked_logit`] as it is, the value [`masked_logit`] keeps for visible
+/// scores without a bias.
+#[cube]
+pub fn tile_unmasked(
+    problem: &Problem,
+    first_query: u32,
+    last_query: u32,
+    first_key: u32,
+    last_key: u32,
+    #[comptime] flags: Flags,
+) -> bool {
+    let mut unmasked = true;
+    if flags.has_bias {
+        unmasked = false;
     }
+    if flags.has_forbid {
+        unmasked = false;
+    }
+    if last_key >= problem.seq_k {
+        unmasked = false;
+    }
+    if first_key < problem.positional {
+        // Appended keys are always visible; the others follow the rules, one region at a time
+        // (pinned keys or the rest), inside which positions grow with the key.
+        if last_key >= problem.positional {
+            unmasked = false;
+        }
+        if first_key < problem.pinned && last_key >= problem.pinned {
+            unmasked = false;
+        }
+        let nearest =
+            problem.query_start + i32::cast_from(first_query) - key_position(problem, last_key);
+        let farthest =
+            problem.query_start + i32::cast_from(last_query) - key_position(problem, first_key);
+        if flags.causal && nearest < 0 {
+            unmasked = false;
+        }
+        if problem.window > 0 && first_key >= problem.pinned {
+            let window = i32::cast_from(problem.window);
+            if farthest >= window {
+                unmasked = false;
+            }
+            if !flags.causal && -nearest >= window {
+                unmasked = false;
+            }
+        }
+    }
+    unmasked
 }
 
 /// One past the last key that queries `..=last_query` may see: keys after it are skipped
@@ -186,4 +262,87 @@ pub fn query_start(problem: &Problem, first_key: u32, #[comptime] flags: Flags) 
         }
     }
     start
+}
+
+/// Where a unit's score tile lies: which rows are queries, and the staged tile's first column.
+#[derive(CubeType, Clone, Copy)]
+pub struct TilePlace {
+    pub batch: u32,
+    pub head: u32,
+    /// The first row of the cube's block.
+    pub first_row: u32,
+    /// The staged tile's first row (the score tile's first column).
+    pub first_column: u32,
+    /// Keys from here on are past the cube's causal horizon (hidden).
+    pub key_stop: u32,
+}
+
+/// Turns the unit's `rows × block` dot products into logits in place, [`HIDDEN`] where the
+/// softmax does not see them, and (with `keep_slopes`) the soft cap's slopes into
+/// `cap_slopes`. Rows are queries and columns keys with `rows_are_queries`, the other way
+/// round without. A tile that nothing hides (`unmasked`, from [`tile_unmasked`]) computes only
+/// [`unmasked_logit`]; the others [`masked_logit`] with every rule, and hide the columns past the
+/// staged side's end.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn score_tile<E: Float>(
+    problem: &Problem,
+    bias: &Tensor<E>,
+    forbid: &Tensor<E>,
+    slopes: &Tensor<f32>,
+    scores: &mut Array<f32>,
+    cap_slopes: &mut Array<f32>,
+    place: TilePlace,
+    unmasked: bool,
+    #[comptime] flags: Flags,
+    #[comptime] tiling: Tiling,
+    #[comptime] rows_are_queries: bool,
+    #[comptime] keep_slopes: bool,
+) {
+    #[unroll]
+    for slot in 0..tiling.rows {
+        let row = unit_row(place.first_row, slot, tiling);
+        for c in 0..tiling.block {
+            let column = place.first_column + c as u32;
+            let mut query = row;
+            let mut key = column;
+            if !rows_are_queries {
+                query = column;
+                key = row;
+            }
+            let index = slot * tiling.block + c;
+            let logit = unmasked_logit(
+                problem,
+                slopes,
+                scores[index],
+                place.head,
+                query,
+                key,
+                flags,
+            );
+            let mut value = logit.value;
+            if !unmasked {
+                let masked = masked_logit::<E>(
+                    problem,
+                    bias,
+                    forbid,
+                    logit.value,
+                    place.batch,
+                    place.head,
+                    query,
+                    key,
+                    flags,
+                );
+                let mut visible = masked.visible;
+                if key >= place.key_stop || query >= problem.seq_q {
+                    visible = false;
+                }
+                value = select(visible, masked.value, HIDDEN);
+            }
+            scores[index] = value;
+            if keep_slopes {
+                cap_slopes[index] = logit.slope;
+            }
+        }
+    }
 }

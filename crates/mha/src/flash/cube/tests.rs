@@ -18,6 +18,7 @@ fn taken() -> CallTraits {
             head_dim: 64,
             value_dim: 32,
         },
+        executor: Executor::Software,
     }
 }
 
