@@ -329,6 +329,36 @@ fn the_gpu_kernels_run_long_loops_to_the_end() {
     assert_flash_equals_explicit(&device, sizes, &[case], 1e-4);
 }
 
+/// A call just inside llvmpipe's loop limit as `flash/cube/plan.rs` counts it runs to the end:
+/// 16 000 keys are 1000 tiles of 16 for the `dQ` kernel at 65 loop iterations each, 65 000 of
+/// the 65 535 llvmpipe allows a shader in all (the plan's unit tests check that the kernels
+/// take this call). A loop the count missed would cut the shader short and fail the
+/// comparison; on a GPU it is one more long case.
+#[test]
+fn the_gpu_kernels_run_to_the_end_up_to_llvmpipes_loop_limit() {
+    let Some(device) = wgpu_device() else {
+        return;
+    };
+    let device = device.autodiff();
+    let _seeded = common::seed(&device, 39);
+    let sizes = Sizes {
+        batch: 1,
+        n_heads: 1,
+        n_kv_heads: 1,
+        seq_q: 8,
+        seq_k: 16_000,
+        head_dim: 4,
+    };
+    let plain: Box<dyn Fn([Tensor<3>; 3]) -> MhaInput> =
+        Box::new(|[q, k, v]| MhaInput::new(q, k, v));
+    let case = Case {
+        label: "8 queries × 16 000 keys",
+        features: Features::default(),
+        input: plain,
+    };
+    assert_flash_equals_explicit(&device, sizes, &[case], 1e-4);
+}
+
 /// Half precision on the GPU kernels (f16 and bf16 inputs, f32 accumulation), two ways.
 ///
 /// - FlashAttention's rule: against the explicit path in f32, the error of the output and of

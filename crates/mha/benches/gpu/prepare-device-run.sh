@@ -19,6 +19,8 @@ dir=${MHA_DEVICE_DIR:-target-device}
 bash scripts/cuda-sdk.sh --libdevice
 
 # The test command's features and CUDA: one more build of Burn, ~15 minutes on 2 cores.
+# cudarc's bindings for CUDA 12.8 (no toolkit here to ask; the driver is loaded at run time).
+export CUDARC_CUDA_VERSION=${CUDARC_CUDA_VERSION:-12080}
 features=burn-mha/wgpu,burn-mha/cuda,train-demo/ndarray,train-demo/wgpu
 cargo bench --workspace --features "$features" --bench gpu --no-run \
     --message-format=json-render-diagnostics > "$CARGO_TARGET_DIR/gpu-bench-build.json"

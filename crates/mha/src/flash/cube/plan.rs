@@ -37,6 +37,10 @@ const ROW_REGISTERS: usize = 128;
 /// llvmpipe's loop limiter: a shader's loops iterate this many times in all, then stop.
 pub(super) const SOFTWARE_LOOP_LIMIT: usize = 65535;
 
+/// Iterations kept in reserve under [`SOFTWARE_LOOP_LIMIT`]: each loop's exit test may count
+/// once more than its iterations.
+const SOFTWARE_LOOP_MARGIN: usize = 256;
+
 /// What runs a kernel's units.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Executor {
@@ -76,10 +80,12 @@ impl Plan {
     }
 
     /// Loop iterations of the longest-looping kernel's unit: the tile loops and, per tile, the
-    /// products' runtime loops (the rest is unrolled).
+    /// runtime loops of the scores (one per staged row) and of the products (one per sub-tile
+    /// of staged rows); the rest is unrolled.
     pub fn loop_iterations(&self, geometry: &Geometry) -> usize {
-        let per_tile =
-            |tiling: &Tiling, products: usize| 1 + products * tiling.block.div_ceil(tiling.columns);
+        let per_tile = |tiling: &Tiling, products: usize| {
+            1 + tiling.block + products * tiling.block.div_ceil(tiling.columns)
+        };
         let key_tiles = geometry.seq_k.div_ceil(self.query_side.block);
         let query_tiles = geometry.seq_q.div_ceil(self.key_side.block);
         let group = geometry.n_heads / geometry.n_kv_heads.max(1);
@@ -89,9 +95,11 @@ impl Plan {
         forward.max(query_grad).max(key_value_grad)
     }
 
-    /// Whether `executor` runs every loop of the call to the end.
+    /// Whether `executor` runs every loop of the call to the end (on a software rasterizer with
+    /// [`SOFTWARE_LOOP_MARGIN`] to spare).
     pub fn runs_to_the_end(&self, geometry: &Geometry, executor: Executor) -> bool {
-        executor == Executor::Hardware || self.loop_iterations(geometry) < SOFTWARE_LOOP_LIMIT
+        executor == Executor::Hardware
+            || self.loop_iterations(geometry) + SOFTWARE_LOOP_MARGIN <= SOFTWARE_LOOP_LIMIT
     }
 }
 
@@ -136,6 +144,29 @@ mod tests {
         }
     }
 
+    /// `tests/gpu_kernels.rs`'s call at the loop limit: 8 queries, 16 000 keys, one head of
+    /// width 4; the `dQ` kernel's count decides it (65 000 iterations).
+    #[test]
+    fn the_integration_tests_call_at_the_loop_limit_is_taken_and_one_tile_more_is_not() {
+        let at_limit = Geometry {
+            batch: 1,
+            n_heads: 1,
+            n_kv_heads: 1,
+            seq_q: 8,
+            seq_k: 16_000,
+            head_dim: 4,
+            value_dim: 4,
+        };
+        let plan = Plan::new(&at_limit, Executor::Software);
+        assert_eq!(plan.loop_iterations(&at_limit), 65_000);
+        assert!(plan.runs_to_the_end(&at_limit, Executor::Software));
+        let past = Geometry {
+            seq_k: 16_000 + 16 * 8,
+            ..at_limit
+        };
+        assert!(!plan.runs_to_the_end(&past, Executor::Software));
+    }
+
     /// Staged tiles fit in 16 KiB and divide into sub-tiles; a GPU unit's rows fit in its
     /// register budget.
     #[test]
@@ -175,11 +206,12 @@ mod tests {
         let more_queries = geometry(4096, 1024, 64);
         assert!(software.loop_iterations(&more_keys) > software.loop_iterations(&short));
         assert!(software.loop_iterations(&more_queries) > software.loop_iterations(&short));
-        // 16 staged keys a tile, one loop iteration per key of each product: the `dK`/`dV`
-        // kernel's four products over 1024 queries, for both heads of the group.
+        // 16 staged queries a tile, one loop iteration per query for the scores and for each
+        // of the `dK`/`dV` kernel's four products, over 1024 queries, for both heads of the
+        // group.
         assert_eq!(
             software.loop_iterations(&short),
-            2 * (1 + 64 * (1 + 4 * 16))
+            2 * (1 + 64 * (1 + 16 + 4 * 16))
         );
     }
 }

@@ -299,11 +299,13 @@ pub fn score_tile<E: Float>(
     #[comptime] rows_are_queries: bool,
     #[comptime] keep_slopes: bool,
 ) {
-    #[unroll]
-    for slot in 0..tiling.rows {
-        let row = unit_row(place.first_row, slot, tiling);
-        for c in 0..tiling.block {
-            let column = place.first_column + c as u32;
+    // One runtime loop over the columns (llvmpipe counts every loop iteration against its
+    // limit: one loop per row would count `rows` times as many, `plan.rs`).
+    for c in 0..tiling.block {
+        let column = place.first_column + c as u32;
+        #[unroll]
+        for slot in 0..tiling.rows {
+            let row = unit_row(place.first_row, slot, tiling);
             let mut query = row;
             let mut key = column;
             if !rows_are_queries {
