@@ -21,8 +21,8 @@ use cubecl::prelude::*;
 
 use super::score::{Flags, Problem, TilePlace, key_end, query_start, score_tile, tile_unmasked};
 use super::tile::{
-    HIDDEN, Tiling, accumulate_products, load_unit_rows, row_products, stage_rows, store_unit_rows,
-    unit_row, zeros,
+    Tiling, accumulate_products, load_unit_rows, row_products, softmax_weight, stage_rows,
+    store_unit_rows, unit_row, zeros,
 };
 
 /// `D[row] = Σ_d dO[row, d] · O[row, d]` in f32.
@@ -186,11 +186,7 @@ pub(super) fn query_grad_kernel<E: Float, N: Size>(
             for c in 0..block {
                 let index = slot * block + c;
                 let score = scores[index];
-                let probability = select(
-                    score > HIDDEN,
-                    (score - maxima[slot]).exp() * inverses[slot],
-                    0.0f32,
-                );
+                let probability = softmax_weight(score, maxima[slot], inverses[slot]);
                 let mut score_grad = probability * (grad_products[index] - dots[slot]);
                 if flags.capped {
                     score_grad *= cap_slopes[index];
@@ -355,7 +351,7 @@ pub(super) fn key_value_grad_kernel<E: Float, N: Size>(
                 for slot in 0..rows {
                     let index = slot * block + c;
                     let score = scores[index];
-                    let probability = select(score > HIDDEN, (score - max).exp() * inverse, 0.0f32);
+                    let probability = softmax_weight(score, max, inverse);
                     let mut score_grad = probability * (grad_products[index] - row_dot);
                     if flags.capped {
                         score_grad *= cap_slopes[index];

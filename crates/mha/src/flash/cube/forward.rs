@@ -16,8 +16,8 @@ use cubecl::prelude::*;
 
 use super::score::{Flags, Problem, TilePlace, key_end, score_tile, tile_unmasked};
 use super::tile::{
-    HIDDEN, Tiling, accumulate_products, load_unit_rows, row_products, stage_rows, store_unit_rows,
-    unit_row, zeros,
+    HIDDEN, Tiling, accumulate_products, load_unit_rows, row_products, softmax_weight, stage_rows,
+    store_unit_rows, unit_row, zeros,
 };
 
 /// `CUBE_POS_X` the query block, `CUBE_POS_Y` the `batch · head`; `tiling.units` units.
@@ -202,7 +202,7 @@ fn rescale_and_exponentiate(
         #[unroll]
         for c in 0..block {
             let score = scores[slot * block + c];
-            let probability = select(score > HIDDEN, (score - tile_max).exp(), 0.0f32);
+            let probability = softmax_weight(score, tile_max, 1.0f32);
             scores[slot * block + c] = probability;
             sum += probability;
         }

@@ -41,6 +41,14 @@ pub struct Tiling {
 /// hidden score (a `-inf` bias gives less and is hidden too).
 pub const HIDDEN: f32 = -3.4028235e38;
 
+/// `exp(score - max) · scale`, or 0 where the score is hidden (at most [`HIDDEN`]). Written as
+/// "not hidden" rather than "visible" so that a NaN score (NaN in the input) gives NaN, which
+/// the row's sums and output carry: a NaN row must never pass for a fully masked one.
+#[cube]
+pub fn softmax_weight(score: f32, max: f32, scale: f32) -> f32 {
+    select(score <= HIDDEN, 0.0f32, (score - max).exp() * scale)
+}
+
 /// Elements per sub-tile column group of a row of `width`: 4 where it divides, else 2 or 1.
 pub fn width_chunk(width: usize) -> usize {
     if width.is_multiple_of(4) {
