@@ -2,7 +2,7 @@
 //! cache at 512, 4096 and 16384 cached positions (d_model 512, 8 query heads, 2 key/value
 //! heads, flex), beside the bytes each step must read (the cached keys and values, and the four
 //! projection weights) and the time reading that many bytes takes at this machine's measured
-//! read bandwidth.
+//! read bandwidth (one thread's: a batch-1 step runs on one).
 //!
 //! Then many sequences at once (`decoding/concurrent.rs`): continuous batching over a
 //! `PagedKvCache` against a padded `KvCache` batch and against one sequence at a time.
@@ -24,25 +24,40 @@ const D_MODEL: usize = 512;
 const HEADS: usize = 8;
 const KV_HEADS: usize = 2;
 
-/// Bytes per second read by summing a buffer far larger than the caches, best of five.
-fn read_bandwidth() -> f64 {
+/// Bytes per second read by summing a 256 MiB buffer (far larger than the caches) on `threads`
+/// threads, each its own slice, best of five.
+fn read_bandwidth(threads: usize) -> f64 {
     let values = vec![1.0f32; 64 << 20];
+    let slice = values.len().div_ceil(threads);
     let mut best = f64::INFINITY;
     let mut total = 0.0f32;
     for _ in 0..5 {
         let started = Instant::now();
-        // Eight accumulators, so that the sum vectorises and is bound by memory, not latency.
-        let mut lanes = [0.0f32; 8];
-        for chunk in values.chunks_exact(8) {
-            for (lane, value) in lanes.iter_mut().zip(chunk) {
-                *lane += value;
-            }
-        }
-        total += lanes.iter().sum::<f32>();
+        total += std::thread::scope(|scope| {
+            let sums: Vec<_> = values
+                .chunks(slice)
+                .map(|part| scope.spawn(move || sum(part)))
+                .collect();
+            sums.into_iter()
+                .map(|sum| sum.join().expect("a summing thread"))
+                .sum::<f32>()
+        });
         best = best.min(started.elapsed().as_secs_f64());
     }
     assert!(total > 0.0);
     (values.len() * 4) as f64 / best
+}
+
+/// The sum of `values`, with eight accumulators so that it vectorises and is bound by memory,
+/// not latency.
+fn sum(values: &[f32]) -> f32 {
+    let mut lanes = [0.0f32; 8];
+    for chunk in values.chunks_exact(8) {
+        for (lane, value) in lanes.iter_mut().zip(chunk) {
+            *lane += value;
+        }
+    }
+    lanes.iter().sum()
 }
 
 /// The bench's options (see the crate docs above).
@@ -112,15 +127,22 @@ fn main() {
     let module = MultiHeadAttentionConfig::new(D_MODEL, HEADS)
         .with_n_kv_heads(Some(KV_HEADS))
         .init(&device);
-    let bandwidth = read_bandwidth();
+    // A batch-1 decoding step runs on one thread; a step over many sequences on all of
+    // rayon's (one task per sequence, a thread per core unless RAYON_NUM_THREADS says
+    // otherwise), whose bound is the bandwidth of all cores together.
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let (one_thread, all_threads) = (read_bandwidth(1), read_bandwidth(threads));
     let head_dim = D_MODEL / HEADS;
     println!(
         "flex, d_model {D_MODEL}, {HEADS} query / {KV_HEADS} key-value heads, f32; read \
-         bandwidth {:.1} GB/s (sum of a 256 MiB buffer, best of 5)",
-        bandwidth / 1e9
+         bandwidth {:.1} GB/s on one thread, {:.1} GB/s on {threads} (sum of a 256 MiB buffer, \
+         best of 5): the first is the one-sequence table's bound, the second the many-sequence \
+         table's",
+        one_thread / 1e9,
+        all_threads / 1e9
     );
     if !options.positions.is_empty() {
-        one_sequence_table(&module, &options, bandwidth, &device);
+        one_sequence_table(&module, &options, one_thread, &device);
     }
     let sizes = concurrent::Sizes {
         d_model: D_MODEL,
@@ -135,7 +157,7 @@ fn main() {
             ways: &options.ways,
             storages: &options.storages,
         };
-        concurrent::table(&module, &sizes, &runs, bandwidth, &device);
+        concurrent::table(&module, &sizes, &runs, all_threads, &device);
     }
 }
 

@@ -2,7 +2,8 @@
 //! mixed cached lengths (128–4096 positions), three ways — one `forward_paged` step for all of
 //! them over a `PagedKvCache`, one `forward_cached` step of a `KvCache` batch padded to the
 //! longest, and one `forward_cached` step per sequence, each with its own `KvCache` — beside the
-//! bytes each way's step reads and the time that takes at the measured read bandwidth.
+//! bytes each way's step reads and the time that takes at the read bandwidth measured on every
+//! core (the steps run on rayon's threads).
 //!
 //! Each table row is one storage of the caches too: f32, or int8 (`--storage float,int8`),
 //! which the paged step reads as stored and `KvCache` dequantizes into f32 each step.
