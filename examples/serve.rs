@@ -1,9 +1,9 @@
 //! Serving a stream of requests with a small (untrained) decoder-only model, two ways: continuous
 //! batching over a `PagedTransformerCache` (requests join the running batch as they arrive,
 //! prompts are prefilled in the same step as the other requests' next tokens, a finished
-//! request's blocks go back to the pool at once, and the system prompt every request starts with
-//! is prefilled once and shared by forking it), and one request at a time with a `KvCache` per
-//! layer. Both decode greedily, so each request must get the same tokens either way; the example
+//! request's blocks go back to the pool at once, and each request is added with its whole prompt,
+//! so that the system prompt every request starts with is found by its tokens, computed once and
+//! shared), and one request at a time with a `KvCache` per layer. Both decode greedily, so each request must get the same tokens either way; the example
 //! prints tokens per second, time to first token and peak cache memory for each.
 //!
 //! ```sh
@@ -20,7 +20,7 @@ use mha::transformer::{
     PagedTransformerCache, TransformerEncoder, TransformerEncoderCache, TransformerEncoderConfig,
     TransformerEncoderInput,
 };
-use mha::{PagedKvCacheConfig, RopeConfig, SequenceId};
+use mha::{PagedKvCacheConfig, RopeConfig, SequenceId, Token};
 
 const VOCAB: usize = 256;
 const D_MODEL: usize = 256;
@@ -163,17 +163,26 @@ struct Served {
 struct Running {
     request: usize,
     id: SequenceId,
-    /// Blocks held back for the request's prompt and every token it wants.
-    reserved: usize,
+    /// Positions it holds once it has every token it wants.
+    final_len: usize,
 }
 
-fn blocks_for(request: &Request) -> usize {
-    (request.prompt.len() + request.output_len).div_ceil(BLOCK_SIZE)
+impl Running {
+    /// Blocks it has still to take from the pool (its shared prefix takes none).
+    fn blocks_to_take(&self, cache: &PagedTransformerCache) -> usize {
+        let len = cache.len(self.id).expect("a running sequence");
+        self.final_len.div_ceil(BLOCK_SIZE) - len.div_ceil(BLOCK_SIZE)
+    }
 }
 
-/// Continuous batching: at every step the requests that arrived join (their prompts are
-/// prefilled in that step) while the pool has room for all their tokens, the others decode one
-/// token each, and a finished request leaves.
+/// A request's whole prompt: the system prompt, then its own.
+fn full_prompt(request: &Request) -> Vec<i64> {
+    [system_prompt().as_slice(), &request.prompt].concat()
+}
+
+/// Continuous batching: at every step the requests that arrived join (the part of their prompts
+/// the cache does not hold is prefilled in that step) while the pool has room for all their
+/// tokens, the others decode one token each, and a finished request leaves.
 fn serve_batched(model: &Model, requests: &[Request], device: &Device) -> Served {
     let mut cache = model
         .stack
@@ -183,34 +192,38 @@ fn serve_batched(model: &Model, requests: &[Request], device: &Device) -> Served
     let mut waiting: VecDeque<usize> = (0..requests.len()).collect();
     let mut running: Vec<Running> = Vec::new();
     let started = Instant::now();
-    // The system prompt, prefilled once; every request continues a fork of it.
-    let system = cache.add_sequence();
-    model.step_paged(
-        &system_prompt(),
-        &[system; SYSTEM_PROMPT],
-        &mut cache,
-        device,
-    );
-    let system_blocks = SYSTEM_PROMPT.div_ceil(BLOCK_SIZE);
-    let mut peak_cache_bytes = cache.bytes_in_use();
+    let mut peak_cache_bytes = 0;
     while !waiting.is_empty() || !running.is_empty() {
-        let reserved: usize = system_blocks + running.iter().map(|r| r.reserved).sum::<usize>();
-        let mut joining = Vec::new();
+        // Blocks the running requests will still take: a request joins only if the pool has
+        // room for all its tokens beside theirs.
+        let mut committed: usize = running.iter().map(|r| r.blocks_to_take(&cache)).sum();
+        // Each joining request and the rows of its prompt the cache does not hold.
+        let mut joining: Vec<(Running, usize)> = Vec::new();
         while let Some(&next) = waiting.front() {
             let request = &requests[next];
-            let fits = reserved
-                + joining.iter().map(|r: &Running| r.reserved).sum::<usize>()
-                + blocks_for(request)
-                <= MAX_BLOCKS;
-            if request.arrival > started.elapsed() || !fits {
+            if request.arrival > started.elapsed() {
                 break;
             }
-            waiting.pop_front();
-            joining.push(Running {
+            let prompt = full_prompt(request);
+            let tokens: Vec<Token> = prompt.iter().map(|&t| t as Token).collect();
+            // The system prompt's whole blocks, if a request in the batch (or one that left,
+            // its blocks not yet overwritten) computed them, are shared.
+            let matched = cache.add_sequence_with_prompt(&tokens);
+            let run = Running {
                 request: next,
-                id: cache.fork(system).expect("the system prompt's sequence"),
-                reserved: blocks_for(request),
-            });
+                id: matched.id,
+                final_len: prompt.len() + request.output_len,
+            };
+            let needs = run.blocks_to_take(&cache);
+            if committed + needs > cache.free_blocks() {
+                cache
+                    .remove_sequence(run.id)
+                    .expect("the sequence just added");
+                break;
+            }
+            committed += needs;
+            waiting.pop_front();
+            joining.push((run, matched.cached));
         }
         if running.is_empty() && joining.is_empty() {
             let arrival = requests[*waiting.front().expect("work left")].arrival;
@@ -222,19 +235,17 @@ fn serve_batched(model: &Model, requests: &[Request], device: &Device) -> Served
             step_tokens.push(*tokens[run.request].last().expect("a first token"));
             sequences.push(run.id);
         }
-        for run in &joining {
-            step_tokens.extend(&requests[run.request].prompt);
-            sequences.extend(std::iter::repeat_n(
-                run.id,
-                requests[run.request].prompt.len(),
-            ));
+        for (run, cached) in &joining {
+            let prompt = full_prompt(&requests[run.request]);
+            step_tokens.extend(&prompt[*cached..]);
+            sequences.extend(std::iter::repeat_n(run.id, prompt.len() - cached));
         }
         let next = model.step_paged(&step_tokens, &sequences, &mut cache, device);
         peak_cache_bytes = peak_cache_bytes.max(cache.bytes_in_use());
-        for run in &joining {
+        for (run, _) in &joining {
             first_token[run.request] = started.elapsed() - requests[run.request].arrival;
         }
-        running.extend(joining);
+        running.extend(joining.into_iter().map(|(run, _)| run));
         for (run, token) in running.iter().zip(next) {
             tokens[run.request].push(token);
         }
@@ -246,9 +257,6 @@ fn serve_batched(model: &Model, requests: &[Request], device: &Device) -> Served
             !done
         });
     }
-    cache
-        .remove_sequence(system)
-        .expect("the system prompt's sequence");
     Served {
         tokens,
         wall: started.elapsed(),
@@ -329,7 +337,7 @@ fn main() {
     println!("|---|---|---|---|---|");
     report(
         &format!(
-            "continuous batching (paged, {MAX_BLOCKS} blocks of {BLOCK_SIZE} per layer, system prompt shared)"
+            "continuous batching (paged, {MAX_BLOCKS} blocks of {BLOCK_SIZE} per layer, prompt prefixes shared)"
         ),
         &batched,
     );

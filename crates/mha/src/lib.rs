@@ -108,7 +108,9 @@ pub use input::{
 };
 pub use mask::causal_mask;
 pub use module::MultiHeadAttention;
-pub use paged::{PagedCacheError, PagedKvCache, PagedKvCacheConfig, SequenceId};
+pub use paged::{
+    PagedCacheError, PagedKvCache, PagedKvCacheConfig, PromptMatch, SequenceId, Token,
+};
 pub use rotary::{RopeConfig, RopeLayout, RopeScaling};
 
 #[cfg(feature = "pytorch")]

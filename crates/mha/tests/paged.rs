@@ -501,16 +501,10 @@ fn int8_is_refused_where_the_device_has_no_i8(module: &MultiHeadAttention, devic
 
 #[test]
 fn a_causal_transformer_stack_serves_each_sequence_as_decoding_it_alone() {
-    use mha::transformer::{TransformerEncoderConfig, TransformerEncoderInput};
+    use mha::transformer::TransformerEncoderInput;
     let device = Device::flex();
     let _seed = common::seed(&device, 37);
-    let stack = TransformerEncoderConfig::new(D_MODEL, 32, 4, 2)
-        .with_causal(true)
-        .with_n_kv_heads(Some(2))
-        .with_rope(Some(RopeConfig::new()))
-        .with_norm_first(true)
-        .with_dropout(0.0)
-        .init(&device);
+    let stack = common::causal_stack(D_MODEL, &device);
     for storage in [CacheStorage::Float, CacheStorage::Int8] {
         let mut paged = stack.new_paged_cache(
             PagedKvCacheConfig::new(64)

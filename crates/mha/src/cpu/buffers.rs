@@ -114,6 +114,7 @@ pub(crate) enum BufferSource {
     /// The pool, to which the backend's tensors give their buffers back (flex).
     Pool,
     /// The allocator: the backend's tensors free their buffers (ndarray).
+    #[cfg_attr(not(feature = "ndarray"), allow(dead_code))]
     Allocator,
 }
 

@@ -1,13 +1,15 @@
 //! [`PagedKvCache`]: the keys and values of many sequences in one bounded pool of fixed-size
 //! blocks, a block table per sequence (vLLM's PagedAttention layout), blocks shared between
-//! sequences by reference count and copied on the first write that would change a shared one.
+//! sequences by reference count and copied on the first write that would change a shared one,
+//! and whole blocks found again by the tokens they hold (`prefix.rs`).
 
 use core::fmt;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::ops::Range;
 
 use burn::tensor::{DType, Device, Tensor};
 
+use super::prefix::{PrefixIndex, Token, TokenRecord};
 use super::store::{BlockLayout, BlockStore};
 use crate::cache::{CacheOwner, CacheStorage};
 
@@ -28,6 +30,16 @@ impl fmt::Display for SequenceId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "sequence {}", self.0)
     }
+}
+
+/// A sequence added by [`PagedKvCache::add_sequence_with_prompt`]: its id, and the positions
+/// of its prompt the cache holds already (shared whole blocks of an earlier sequence's).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PromptMatch {
+    /// The new sequence.
+    pub id: SequenceId,
+    /// Positions stored: the next step feeds the prompt's rows from this one on.
+    pub cached: usize,
 }
 
 /// The configuration of a [`PagedKvCache`].
@@ -83,8 +95,10 @@ impl PagedKvCacheConfig {
             key: None,
             value: None,
             refcounts: Vec::new(),
-            free: Vec::new(),
+            free: FreeBlocks::default(),
             sequences: BTreeMap::new(),
+            records: BTreeMap::new(),
+            prefixes: PrefixIndex::default(),
             next_id: 0,
             owner: None,
         }
@@ -204,9 +218,13 @@ pub struct PagedKvCache {
     /// Sequences referring to each block the pool holds (0 = free); its length is the pool's
     /// size in blocks.
     refcounts: Vec<u32>,
-    /// The blocks of the pool no sequence refers to, taken from the end.
-    free: Vec<usize>,
+    /// The blocks of the pool no sequence refers to.
+    free: FreeBlocks,
     sequences: BTreeMap<SequenceId, BlockTable>,
+    /// The tokens each sequence's positions hold, as far as they were told.
+    records: BTreeMap<SequenceId, TokenRecord>,
+    /// Whole blocks by the tokens they hold, in use or free.
+    prefixes: PrefixIndex,
     next_id: u64,
     /// The module whose keys and values the cache holds, once a step stored some.
     owner: Option<CacheOwner>,
@@ -267,12 +285,32 @@ pub(crate) struct PagedStep {
     pool: PoolPlan,
 }
 
-/// What a step takes from the pool, without copying its free list: the free blocks it takes
-/// from the list's end, the blocks the pool grows by, and the blocks taken.
+/// The blocks of the pool no sequence refers to: those whose positions nothing can share,
+/// and those still filed by their tokens, which a later prompt may share. A step takes the
+/// first kind first, then grows the pool, and only then overwrites filed blocks, the least
+/// recently freed first.
+#[derive(Debug, Clone, Default)]
+struct FreeBlocks {
+    /// Taken from the end.
+    unfiled: Vec<usize>,
+    /// Taken from the front, freed to the back.
+    filed: VecDeque<usize>,
+}
+
+impl FreeBlocks {
+    fn len(&self) -> usize {
+        self.unfiled.len() + self.filed.len()
+    }
+}
+
+/// What a step takes from the pool, without copying its free lists: the free blocks it takes
+/// from them, the blocks the pool grows by, and the blocks taken.
 #[derive(Debug)]
 struct PoolPlan {
-    /// Free blocks taken from the end of the cache's free list.
+    /// Blocks taken from the end of the cache's unfiled free blocks.
     free_taken: usize,
+    /// Blocks taken from the front of its filed free blocks.
+    filed_taken: usize,
     /// Blocks the pool holds, grown for the step.
     blocks: usize,
     max_blocks: usize,
@@ -282,12 +320,12 @@ struct PoolPlan {
 }
 
 impl PoolPlan {
-    /// A block of `free` (the cache's free list) not taken yet, else one the pool grows by
-    /// (doubling, up to its bound); `None` when the pool is full.
-    fn take(&mut self, free: &[usize]) -> Option<usize> {
-        let block = if self.free_taken < free.len() {
+    /// An unfiled block of `free` not taken yet, else one the pool grows by (doubling, up to
+    /// its bound), else a filed one; `None` when the pool is full.
+    fn take(&mut self, free: &FreeBlocks) -> Option<usize> {
+        let block = if self.free_taken < free.unfiled.len() {
             self.free_taken += 1;
-            free[free.len() - self.free_taken]
+            free.unfiled[free.unfiled.len() - self.free_taken]
         } else {
             if self.grown.is_empty() && self.blocks < self.max_blocks {
                 let grown = (2 * self.blocks).clamp(self.blocks + 1, self.max_blocks);
@@ -295,7 +333,14 @@ impl PoolPlan {
                 self.grown.extend((self.blocks..grown).rev());
                 self.blocks = grown;
             }
-            self.grown.pop()?
+            match self.grown.pop() {
+                Some(block) => block,
+                None => {
+                    let block = *free.filed.get(self.filed_taken)?;
+                    self.filed_taken += 1;
+                    block
+                }
+            }
         };
         self.taken.push(block);
         Some(block)
@@ -318,7 +363,103 @@ impl PagedKvCache {
         let id = SequenceId(self.next_id);
         self.next_id += 1;
         self.sequences.insert(id, BlockTable::default());
+        self.records.insert(id, TokenRecord::default());
         id
+    }
+
+    /// A new sequence whose positions will hold `prompt`'s tokens, sharing the whole blocks of
+    /// the longest prefix of `prompt` that the cache holds already (filed by sequences told
+    /// their tokens, in use or freed and not yet taken again): the returned
+    /// [`PromptMatch::cached`] positions are stored, and the next step feeds the rows of
+    /// `prompt[cached..]`. At least the last token is left to compute, so that the step gives
+    /// its output.
+    ///
+    /// Sharing is sound only if every sequence told its tokens is fed, row by row, what those
+    /// tokens give, through the same weights: the cache compares tokens, not keys.
+    pub fn add_sequence_with_prompt(&mut self, prompt: &[Token]) -> PromptMatch {
+        let blocks = self.matched_blocks(prompt);
+        self.add_sequence_matching(prompt, blocks)
+    }
+
+    /// Tells the cache the tokens of `id`'s next positions, from the first it was not told
+    /// (the tokens a step fed or will feed, such as those sampled): its whole blocks of known
+    /// tokens can then be shared by [`add_sequence_with_prompt`](Self::add_sequence_with_prompt).
+    ///
+    /// # Errors
+    ///
+    /// [`PagedCacheError::UnknownSequence`] if `id` is not a sequence of this cache.
+    pub fn extend_tokens(
+        &mut self,
+        id: SequenceId,
+        tokens: &[Token],
+    ) -> Result<(), PagedCacheError> {
+        self.records
+            .get_mut(&id)
+            .ok_or(PagedCacheError::UnknownSequence(id))?
+            .tokens
+            .extend_from_slice(tokens);
+        self.file_whole_blocks(id);
+        Ok(())
+    }
+
+    /// Whole blocks of `prompt` the cache holds, at most all but its last token's.
+    pub(crate) fn matched_blocks(&self, prompt: &[Token]) -> usize {
+        let block_size = self.config.block_size;
+        let limit = prompt.len().saturating_sub(1) / block_size;
+        self.prefixes.matching(prompt, block_size, limit).len()
+    }
+
+    /// [`add_sequence_with_prompt`](Self::add_sequence_with_prompt) sharing `prompt`'s first
+    /// `blocks` whole blocks, at most those [`matched_blocks`](Self::matched_blocks) counts.
+    pub(crate) fn add_sequence_matching(&mut self, prompt: &[Token], blocks: usize) -> PromptMatch {
+        let block_size = self.config.block_size;
+        let matched = self.prefixes.matching(prompt, block_size, blocks);
+        for block in matched.iter().map(|matched| matched.block) {
+            if self.refcounts[block] == 0 {
+                let filed = &mut self.free.filed;
+                let at = filed.iter().position(|&free| free == block);
+                filed.remove(at.expect("a filed block no sequence refers to is free"));
+            }
+            self.refcounts[block] += 1;
+        }
+        let id = self.add_sequence();
+        let cached = matched.len() * block_size;
+        self.sequences.insert(
+            id,
+            BlockTable {
+                blocks: matched.iter().map(|matched| matched.block).collect(),
+                len: cached,
+            },
+        );
+        self.records.insert(
+            id,
+            TokenRecord {
+                tokens: prompt.to_vec(),
+                filed: matched.iter().map(|matched| matched.entry).collect(),
+            },
+        );
+        PromptMatch { id, cached }
+    }
+
+    /// Files `id`'s whole blocks of known tokens that are not filed yet.
+    fn file_whole_blocks(&mut self, id: SequenceId) {
+        let block_size = self.config.block_size;
+        let (Some(table), Some(record)) = (self.sequences.get(&id), self.records.get_mut(&id))
+        else {
+            return;
+        };
+        let known = table.len.min(record.tokens.len()) / block_size;
+        while record.filed.len() < known {
+            let index = record.filed.len();
+            let tokens = &record.tokens[index * block_size..][..block_size];
+            let filed = self
+                .prefixes
+                .file(record.last_entry(), tokens, table.blocks[index]);
+            // `None`: the block is filed under other tokens (a fork told tokens its shared
+            // blocks do not hold); what it holds stays filed as it was.
+            let Some(entry) = filed else { break };
+            record.filed.push(entry);
+        }
     }
 
     /// Removes a sequence; the blocks no other sequence shares are free at once.
@@ -331,6 +472,7 @@ impl PagedKvCache {
             .sequences
             .remove(&id)
             .ok_or(PagedCacheError::UnknownSequence(id))?;
+        self.records.remove(&id);
         for block in table.blocks {
             self.release_block(block);
         }
@@ -371,10 +513,12 @@ impl PagedKvCache {
                 len: table.len,
             });
         }
-        let blocks = table.blocks[..prefix.div_ceil(self.config.block_size)].to_vec();
+        let block_size = self.config.block_size;
+        let blocks = table.blocks[..prefix.div_ceil(block_size)].to_vec();
         for &block in &blocks {
             self.refcounts[block] += 1;
         }
+        let record = self.records[&id].prefix(prefix, block_size);
         let forked = self.add_sequence();
         self.sequences.insert(
             forked,
@@ -383,6 +527,7 @@ impl PagedKvCache {
                 len: prefix,
             },
         );
+        self.records.insert(forked, record);
         Ok(forked)
     }
 
@@ -444,10 +589,19 @@ impl PagedKvCache {
         self.key.as_ref().zip(self.value.as_ref())
     }
 
+    /// Blocks filed by their tokens (in use or free), which later prompts may share.
+    pub fn filed_blocks(&self) -> usize {
+        self.prefixes.len()
+    }
+
     fn release_block(&mut self, block: usize) {
         self.refcounts[block] -= 1;
         if self.refcounts[block] == 0 {
-            self.free.push(block);
+            if self.prefixes.is_filed(block) {
+                self.free.filed.push_back(block);
+            } else {
+                self.free.unfiled.push(block);
+            }
         }
     }
 
@@ -474,6 +628,7 @@ impl PagedKvCache {
         }
         let mut pool = PoolPlan {
             free_taken: 0,
+            filed_taken: 0,
             blocks: self.refcounts.len(),
             max_blocks: self.config.max_blocks,
             grown: Vec::new(),
@@ -586,10 +741,14 @@ impl PagedKvCache {
             .unwrap_or_else(|| store(BlockLayout::PositionMajor, value_dim, value))
             .grown(pool.blocks);
         self.refcounts.resize(pool.blocks, 0);
-        self.free.truncate(self.free.len() - pool.free_taken);
-        self.free.extend(&pool.grown);
+        let unfiled = &mut self.free.unfiled;
+        unfiled.truncate(unfiled.len() - pool.free_taken);
+        unfiled.extend(&pool.grown);
+        self.free.filed.drain(..pool.filed_taken);
         for &block in &pool.taken {
             self.refcounts[block] = 1;
+            // Written now: what it held can no longer be shared.
+            self.prefixes.forget(block);
         }
         for sequence in &step.sequences {
             if let Some(BlockCopy { from, to }) = sequence.copy {
@@ -607,144 +766,11 @@ impl PagedKvCache {
         self.key = Some(key_store);
         self.value = Some(value_store);
         self.owner = Some(step.owner);
+        for sequence in &step.sequences {
+            self.file_whole_blocks(sequence.id);
+        }
     }
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use burn::module::ParamId;
-
-    fn owner() -> CacheOwner {
-        CacheOwner {
-            key_weight: ParamId::new(),
-            n_kv_heads: 1,
-            head_dim: 2,
-        }
-    }
-
-    /// One step of `rows[i]` new positions for sequence `ids[i]`, keys and values all `value`.
-    fn step(
-        cache: &mut PagedKvCache,
-        owner: CacheOwner,
-        ids: &[SequenceId],
-        rows: &[usize],
-    ) -> Result<(), PagedCacheError> {
-        let device = Device::flex();
-        let mut start = 0;
-        let sequences: Vec<_> = ids
-            .iter()
-            .zip(rows)
-            .map(|(&id, &count)| {
-                start += count;
-                SequenceRows {
-                    id,
-                    rows: start - count..start,
-                }
-            })
-            .collect();
-        let step = cache.begin(owner, &sequences, &device)?;
-        let keys = Tensor::<4>::ones([1, 1, start, 2], &device);
-        cache.store(&step, &keys, &keys);
-        Ok(())
-    }
-
-    #[test]
-    fn blocks_are_taken_per_block_of_positions_and_returned_on_removal() {
-        let owner = owner();
-        let mut cache = PagedKvCacheConfig::new(8).with_block_size(4).init();
-        let (a, b) = (cache.add_sequence(), cache.add_sequence());
-        step(&mut cache, owner, &[a, b], &[5, 1]).unwrap();
-        assert_eq!(cache.blocks_in_use(), 3);
-        assert_eq!(cache.table(a).unwrap().blocks.len(), 2);
-        step(&mut cache, owner, &[a, b], &[3, 3]).unwrap();
-        assert_eq!((cache.len(a), cache.len(b)), (Some(8), Some(4)));
-        assert_eq!(cache.blocks_in_use(), 3);
-        cache.remove_sequence(a).unwrap();
-        assert_eq!(cache.blocks_in_use(), 1);
-        assert_eq!(cache.free_blocks(), 7);
-        assert_eq!(
-            cache.remove_sequence(a),
-            Err(PagedCacheError::UnknownSequence(a))
-        );
-    }
-
-    #[test]
-    fn a_full_pool_refuses_the_whole_step_and_changes_nothing() {
-        let owner = owner();
-        let mut cache = PagedKvCacheConfig::new(3).with_block_size(2).init();
-        let (a, b) = (cache.add_sequence(), cache.add_sequence());
-        step(&mut cache, owner, &[a], &[3]).unwrap();
-        let error = step(&mut cache, owner, &[a, b], &[1, 3]).unwrap_err();
-        assert_eq!(
-            error,
-            PagedCacheError::PoolFull {
-                sequence: b,
-                needed: 2,
-                free: 1
-            }
-        );
-        assert!(error.to_string().contains("sequence 1"), "{error}");
-        assert_eq!((cache.len(a), cache.len(b)), (Some(3), Some(0)));
-        assert_eq!(cache.blocks_in_use(), 2);
-        step(&mut cache, owner, &[a, b], &[1, 1]).unwrap();
-        assert_eq!(cache.free_blocks(), 0);
-    }
-
-    #[test]
-    fn a_refused_copy_on_write_counts_the_last_sharer_as_writing_in_place() {
-        let owner = owner();
-        let mut cache = PagedKvCacheConfig::new(2).with_block_size(4).init();
-        let parent = cache.add_sequence();
-        step(&mut cache, owner, &[parent], &[6]).unwrap();
-        let child = cache.fork(parent).unwrap();
-        // The parent's copy of the shared block finds no free block; the child, the block's
-        // last sharer, would then have written in place: one block short, not two.
-        assert_eq!(
-            step(&mut cache, owner, &[parent, child], &[1, 1]),
-            Err(PagedCacheError::PoolFull {
-                sequence: parent,
-                needed: 1,
-                free: 0
-            })
-        );
-    }
-
-    #[test]
-    fn forks_share_blocks_until_a_write_copies_the_partial_one() {
-        let owner = owner();
-        let mut cache = PagedKvCacheConfig::new(16).with_block_size(4).init();
-        let parent = cache.add_sequence();
-        step(&mut cache, owner, &[parent], &[6]).unwrap();
-        let child = cache.fork(parent).unwrap();
-        let prefix = cache.fork_prefix(parent, 4).unwrap();
-        assert_eq!(cache.blocks_in_use(), 2);
-        assert_eq!(cache.len(prefix), Some(4));
-        // The child writes into the shared, partly filled second block: copied first.
-        step(&mut cache, owner, &[child], &[1]).unwrap();
-        assert_eq!(cache.blocks_in_use(), 3);
-        let (parent_blocks, child_blocks) = (
-            cache.table(parent).unwrap().blocks.clone(),
-            cache.table(child).unwrap().blocks.clone(),
-        );
-        assert_eq!(parent_blocks[0], child_blocks[0]);
-        assert_ne!(parent_blocks[1], child_blocks[1]);
-        // The parent's second block is its own again: written in place.
-        step(&mut cache, owner, &[parent], &[1]).unwrap();
-        assert_eq!(cache.table(parent).unwrap().blocks, parent_blocks);
-        // The prefix ends on a block boundary: its next position takes a fresh block.
-        step(&mut cache, owner, &[prefix], &[1]).unwrap();
-        assert_eq!(cache.blocks_in_use(), 4);
-        cache.remove_sequence(parent).unwrap();
-        cache.remove_sequence(child).unwrap();
-        assert_eq!(cache.blocks_in_use(), 2);
-        assert_eq!(
-            cache.fork_prefix(prefix, 9),
-            Err(PagedCacheError::PrefixTooLong {
-                sequence: prefix,
-                prefix: 9,
-                len: 5
-            })
-        );
-    }
-}
+mod tests;

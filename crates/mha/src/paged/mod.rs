@@ -7,6 +7,8 @@
 //!
 //! - `cache.rs`: the sequences, their block tables, the pool's free blocks and reference counts
 //!   (sharing, copy-on-write), and the checks that refuse a step before it changes anything;
+//! - `prefix.rs`: whole blocks filed by the tokens they hold, so that a prompt starting with
+//!   tokens the cache holds shares their blocks (prefix caching);
 //! - `store.rs`: the blocks themselves, as tensors (float or int8);
 //! - `step.rs`: the step — projections, RoPE at each row's position, the writes, and the
 //!   attention through tensor ops on any backend;
@@ -15,10 +17,12 @@
 mod cache;
 #[cfg(any(feature = "flex", feature = "ndarray"))]
 mod cpu;
+mod prefix;
 mod step;
 mod store;
 
-pub use cache::{PagedCacheError, PagedKvCache, PagedKvCacheConfig, SequenceId};
+pub use cache::{PagedCacheError, PagedKvCache, PagedKvCacheConfig, PromptMatch, SequenceId};
+pub use prefix::Token;
 
 /// Without a CPU backend compiled in, every paged step gathers its blocks.
 #[cfg(not(any(feature = "flex", feature = "ndarray")))]

@@ -5,7 +5,7 @@ use burn::tensor::Tensor;
 
 use super::encoder::{TransformerEncoder, TransformerEncoderLayer};
 use super::residual;
-use crate::{PagedCacheError, PagedKvCache, PagedKvCacheConfig, SequenceId};
+use crate::{PagedCacheError, PagedKvCache, PagedKvCacheConfig, PromptMatch, SequenceId, Token};
 
 /// One [`PagedKvCache`] per layer of a causal [`TransformerEncoder`], holding the same
 /// sequences with the same block tables, for
@@ -21,6 +21,33 @@ impl PagedTransformerCache {
     pub fn add_sequence(&mut self) -> SequenceId {
         self.each(|cache| Ok(cache.add_sequence()))
             .expect("adding a sequence is never refused")
+    }
+
+    /// A new sequence whose positions will hold `prompt`'s tokens, sharing in every layer the
+    /// whole blocks of the longest prefix of `prompt` that every layer holds
+    /// ([`PagedKvCache::add_sequence_with_prompt`]; the step feeds `prompt[cached..]`).
+    pub fn add_sequence_with_prompt(&mut self, prompt: &[Token]) -> PromptMatch {
+        let blocks = self
+            .layers
+            .iter()
+            .map(|cache| cache.matched_blocks(prompt))
+            .min()
+            .unwrap_or(0);
+        self.each(|cache| Ok(cache.add_sequence_matching(prompt, blocks)))
+            .expect("adding a sequence is never refused")
+    }
+
+    /// Tells every layer the tokens of `id`'s next positions ([`PagedKvCache::extend_tokens`]).
+    ///
+    /// # Errors
+    ///
+    /// [`PagedCacheError::UnknownSequence`] if `id` is not a sequence of the cache.
+    pub fn extend_tokens(
+        &mut self,
+        id: SequenceId,
+        tokens: &[Token],
+    ) -> Result<(), PagedCacheError> {
+        self.each(|cache| cache.extend_tokens(id, tokens))
     }
 
     /// Removes a sequence from every layer; its blocks are free at once.

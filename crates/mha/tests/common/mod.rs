@@ -303,3 +303,15 @@ pub fn panic_message<T>(run: impl FnOnce() -> T) -> String {
         Err(message) => message,
     }
 }
+
+/// A small causal decoder stack (2 layers, 4 query / 2 key-value heads, RoPE, pre-norm, no
+/// dropout) whose caches the decoding tests compare.
+pub fn causal_stack(d_model: usize, device: &Device) -> mha::transformer::TransformerEncoder {
+    mha::transformer::TransformerEncoderConfig::new(d_model, 32, 4, 2)
+        .with_causal(true)
+        .with_n_kv_heads(Some(2))
+        .with_rope(Some(mha::RopeConfig::new()))
+        .with_norm_first(true)
+        .with_dropout(0.0)
+        .init(device)
+}

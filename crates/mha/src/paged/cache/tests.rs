@@ -1,0 +1,215 @@
+//! The bookkeeping of [`PagedKvCache`]: blocks taken and freed, refusals, forks, copies on
+//! write and prefixes found by their tokens (one key/value head of width 2, all ones).
+
+use super::*;
+use burn::module::ParamId;
+
+fn owner() -> CacheOwner {
+    CacheOwner {
+        key_weight: ParamId::new(),
+        n_kv_heads: 1,
+        head_dim: 2,
+    }
+}
+
+/// One step of `rows[i]` new positions for sequence `ids[i]`, keys and values all `value`.
+fn step(
+    cache: &mut PagedKvCache,
+    owner: CacheOwner,
+    ids: &[SequenceId],
+    rows: &[usize],
+) -> Result<(), PagedCacheError> {
+    let device = Device::flex();
+    let mut start = 0;
+    let sequences: Vec<_> = ids
+        .iter()
+        .zip(rows)
+        .map(|(&id, &count)| {
+            start += count;
+            SequenceRows {
+                id,
+                rows: start - count..start,
+            }
+        })
+        .collect();
+    let step = cache.begin(owner, &sequences, &device)?;
+    let keys = Tensor::<4>::ones([1, 1, start, 2], &device);
+    cache.store(&step, &keys, &keys);
+    Ok(())
+}
+
+#[test]
+fn blocks_are_taken_per_block_of_positions_and_returned_on_removal() {
+    let owner = owner();
+    let mut cache = PagedKvCacheConfig::new(8).with_block_size(4).init();
+    let (a, b) = (cache.add_sequence(), cache.add_sequence());
+    step(&mut cache, owner, &[a, b], &[5, 1]).unwrap();
+    assert_eq!(cache.blocks_in_use(), 3);
+    assert_eq!(cache.table(a).unwrap().blocks.len(), 2);
+    step(&mut cache, owner, &[a, b], &[3, 3]).unwrap();
+    assert_eq!((cache.len(a), cache.len(b)), (Some(8), Some(4)));
+    assert_eq!(cache.blocks_in_use(), 3);
+    cache.remove_sequence(a).unwrap();
+    assert_eq!(cache.blocks_in_use(), 1);
+    assert_eq!(cache.free_blocks(), 7);
+    assert_eq!(
+        cache.remove_sequence(a),
+        Err(PagedCacheError::UnknownSequence(a))
+    );
+}
+
+#[test]
+fn a_full_pool_refuses_the_whole_step_and_changes_nothing() {
+    let owner = owner();
+    let mut cache = PagedKvCacheConfig::new(3).with_block_size(2).init();
+    let (a, b) = (cache.add_sequence(), cache.add_sequence());
+    step(&mut cache, owner, &[a], &[3]).unwrap();
+    let error = step(&mut cache, owner, &[a, b], &[1, 3]).unwrap_err();
+    assert_eq!(
+        error,
+        PagedCacheError::PoolFull {
+            sequence: b,
+            needed: 2,
+            free: 1
+        }
+    );
+    assert!(error.to_string().contains("sequence 1"), "{error}");
+    assert_eq!((cache.len(a), cache.len(b)), (Some(3), Some(0)));
+    assert_eq!(cache.blocks_in_use(), 2);
+    step(&mut cache, owner, &[a, b], &[1, 1]).unwrap();
+    assert_eq!(cache.free_blocks(), 0);
+}
+
+#[test]
+fn a_refused_copy_on_write_counts_the_last_sharer_as_writing_in_place() {
+    let owner = owner();
+    let mut cache = PagedKvCacheConfig::new(2).with_block_size(4).init();
+    let parent = cache.add_sequence();
+    step(&mut cache, owner, &[parent], &[6]).unwrap();
+    let child = cache.fork(parent).unwrap();
+    // The parent's copy of the shared block finds no free block; the child, the block's
+    // last sharer, would then have written in place: one block short, not two.
+    assert_eq!(
+        step(&mut cache, owner, &[parent, child], &[1, 1]),
+        Err(PagedCacheError::PoolFull {
+            sequence: parent,
+            needed: 1,
+            free: 0
+        })
+    );
+}
+
+#[test]
+fn a_prompt_shares_the_filed_whole_blocks_of_its_longest_held_prefix() {
+    let owner = owner();
+    let mut cache = PagedKvCacheConfig::new(8).with_block_size(2).init();
+    let a = cache.add_sequence_with_prompt(&[1, 2, 3, 4, 5]);
+    assert_eq!(a.cached, 0);
+    step(&mut cache, owner, &[a.id], &[5]).unwrap();
+    assert_eq!(cache.filed_blocks(), 2);
+    let b = cache.add_sequence_with_prompt(&[1, 2, 3, 4, 9, 9]);
+    assert_eq!(b.cached, 4);
+    assert_eq!(
+        cache.table(b.id).unwrap().blocks,
+        cache.table(a.id).unwrap().blocks[..2]
+    );
+    assert_eq!(cache.blocks_in_use(), 3, "shared, not copied");
+    // Whole blocks only, never the prompt's last token, and nothing past a difference.
+    for (prompt, cached) in [
+        (&[1, 2, 3, 4][..], 2),
+        (&[1, 2, 3], 2),
+        (&[1, 7, 3, 4, 5], 0),
+        (&[2, 1, 3, 4, 5], 0),
+    ] {
+        let matched = cache.add_sequence_with_prompt(prompt);
+        assert_eq!(matched.cached, cached, "{prompt:?}");
+        assert_eq!(cache.len(matched.id), Some(cached));
+        cache.remove_sequence(matched.id).unwrap();
+    }
+    // `b`'s own block is filed once `b` holds it and its tokens are known.
+    step(&mut cache, owner, &[b.id], &[2]).unwrap();
+    assert_eq!(cache.filed_blocks(), 3);
+    // A fork keeps its parent's tokens: told the next ones, it files its own block.
+    let fork = cache.fork_prefix(a.id, 4).unwrap();
+    step(&mut cache, owner, &[fork], &[2]).unwrap();
+    assert_eq!(
+        cache.filed_blocks(),
+        3,
+        "tokens of the fork's new block not told"
+    );
+    cache.extend_tokens(fork, &[6, 6]).unwrap();
+    assert_eq!(cache.filed_blocks(), 4);
+    assert_eq!(
+        cache
+            .add_sequence_with_prompt(&[1, 2, 3, 4, 6, 6, 0])
+            .cached,
+        6
+    );
+    assert_eq!(
+        cache.extend_tokens(SequenceId(99), &[1]),
+        Err(PagedCacheError::UnknownSequence(SequenceId(99)))
+    );
+}
+
+#[test]
+fn freed_filed_blocks_are_overwritten_last_and_forgotten_when_they_are() {
+    let owner = owner();
+    let mut cache = PagedKvCacheConfig::new(4).with_block_size(2).init();
+    let a = cache.add_sequence_with_prompt(&[1, 2, 3, 4]);
+    step(&mut cache, owner, &[a.id], &[4]).unwrap();
+    let other = cache.add_sequence();
+    step(&mut cache, owner, &[other], &[2]).unwrap();
+    cache.remove_sequence(a.id).unwrap();
+    cache.remove_sequence(other).unwrap();
+    assert_eq!((cache.blocks_in_use(), cache.free_blocks()), (0, 4));
+    assert_eq!(cache.filed_blocks(), 2, "freed, still filed");
+    // Two blocks needed, two free blocks that nothing can share: the filed ones stay.
+    let c = cache.add_sequence();
+    step(&mut cache, owner, &[c], &[4]).unwrap();
+    let again = cache.add_sequence_with_prompt(&[1, 2, 3, 4, 5]);
+    assert_eq!(again.cached, 4);
+    assert_eq!((cache.blocks_in_use(), cache.free_blocks()), (4, 0));
+    cache.remove_sequence(again.id).unwrap();
+    // Now the pool is full but for the filed blocks: the least recently freed is taken,
+    // and the prefix through it is gone.
+    step(&mut cache, owner, &[c], &[2]).unwrap();
+    assert_eq!(cache.add_sequence_with_prompt(&[1, 2, 3, 4, 5]).cached, 0);
+}
+
+#[test]
+fn forks_share_blocks_until_a_write_copies_the_partial_one() {
+    let owner = owner();
+    let mut cache = PagedKvCacheConfig::new(16).with_block_size(4).init();
+    let parent = cache.add_sequence();
+    step(&mut cache, owner, &[parent], &[6]).unwrap();
+    let child = cache.fork(parent).unwrap();
+    let prefix = cache.fork_prefix(parent, 4).unwrap();
+    assert_eq!(cache.blocks_in_use(), 2);
+    assert_eq!(cache.len(prefix), Some(4));
+    // The child writes into the shared, partly filled second block: copied first.
+    step(&mut cache, owner, &[child], &[1]).unwrap();
+    assert_eq!(cache.blocks_in_use(), 3);
+    let (parent_blocks, child_blocks) = (
+        cache.table(parent).unwrap().blocks.clone(),
+        cache.table(child).unwrap().blocks.clone(),
+    );
+    assert_eq!(parent_blocks[0], child_blocks[0]);
+    assert_ne!(parent_blocks[1], child_blocks[1]);
+    // The parent's second block is its own again: written in place.
+    step(&mut cache, owner, &[parent], &[1]).unwrap();
+    assert_eq!(cache.table(parent).unwrap().blocks, parent_blocks);
+    // The prefix ends on a block boundary: its next position takes a fresh block.
+    step(&mut cache, owner, &[prefix], &[1]).unwrap();
+    assert_eq!(cache.blocks_in_use(), 4);
+    cache.remove_sequence(parent).unwrap();
+    cache.remove_sequence(child).unwrap();
+    assert_eq!(cache.blocks_in_use(), 2);
+    assert_eq!(
+        cache.fork_prefix(prefix, 9),
+        Err(PagedCacheError::PrefixTooLong {
+            sequence: prefix,
+            prefix: 9,
+            len: 5
+        })
+    );
+}

@@ -1,0 +1,262 @@
+//! Prefix caching: a sequence added with its prompt shares the whole blocks of the longest
+//! prefix the paged cache holds (in use, or freed and not yet overwritten), and gets what
+//! computing its whole prompt alone gives it; a block overwritten is never matched again.
+
+mod common;
+
+use burn::tensor::{DType, Device, Int, Tensor, TensorData};
+use common::{assert_close, randn, test_devices, tolerance};
+use mha::{
+    CacheStorage, KvCache, MhaInput, MultiHeadAttention, MultiHeadAttentionConfig, PagedKvCache,
+    PagedKvCacheConfig, RopeConfig, SequenceId, Token,
+};
+
+const D_MODEL: usize = 16;
+const VOCAB: usize = 64;
+
+/// A vocabulary's embeddings: what a model feeds the attention for each token.
+struct Embeddings {
+    table: Tensor<2>,
+}
+
+impl Embeddings {
+    fn new(device: &Device) -> Self {
+        Self {
+            table: randn([VOCAB, D_MODEL], device),
+        }
+    }
+
+    /// `[tokens, d_model]`.
+    fn rows(&self, tokens: &[Token]) -> Tensor<2> {
+        let ids: Vec<i64> = tokens.iter().map(|&token| i64::from(token)).collect();
+        let ids =
+            Tensor::<1, Int>::from_data(TensorData::new(ids, [tokens.len()]), &self.table.device());
+        self.table.clone().select(0, ids)
+    }
+}
+
+/// Feeds `prompt[cached..]` to `id` and checks every output row against decoding the prompt
+/// alone with a `KvCache` of the same storage, in the same two steps: its first `cached`
+/// tokens, then the rest (in int8 a step's own keys are used unquantized, the cached ones as
+/// stored).
+fn prefill_and_check(
+    module: &MultiHeadAttention,
+    embeddings: &Embeddings,
+    cache: &mut PagedKvCache,
+    (id, cached): (SequenceId, usize),
+    prompt: &[Token],
+    (label, bound): (&str, f32),
+) {
+    let new = prompt.len() - cached;
+    let output = module
+        .forward_paged(embeddings.rows(&prompt[cached..]), cache, &vec![id; new])
+        .unwrap();
+    let mut alone = KvCache::new().with_storage(cache.config().storage);
+    let mut decode = |tokens: &[Token]| {
+        let rows = embeddings.rows(tokens).reshape([1, tokens.len(), D_MODEL]);
+        module
+            .forward_cached(MhaInput::self_attn(rows).causal(), &mut alone)
+            .unwrap()
+            .context
+            .reshape([tokens.len(), D_MODEL])
+    };
+    if cached > 0 {
+        decode(&prompt[..cached]);
+    }
+    let expected = decode(&prompt[cached..]);
+    assert_close(&format!("{label}: {id}"), output, expected, bound);
+    assert_eq!(cache.len(id), Some(prompt.len()), "{label}");
+}
+
+/// The first `n` tokens of a fixed prompt.
+fn system(n: usize) -> Vec<Token> {
+    (0..n as Token)
+        .map(|token| (token * 7 + 3) % VOCAB as Token)
+        .collect()
+}
+
+#[test]
+fn prompts_share_the_blocks_of_their_longest_held_prefix_and_equal_computing_them_alone() {
+    for (name, device) in test_devices() {
+        let _seed = common::seed(&device, 41);
+        let module = MultiHeadAttentionConfig::new(D_MODEL, 4)
+            .with_n_kv_heads(Some(2))
+            .with_rope(Some(RopeConfig::new()))
+            .init(&device);
+        let embeddings = Embeddings::new(&device);
+        let storages = if device.supports_dtype(DType::I8) {
+            vec![CacheStorage::Float, CacheStorage::Int8]
+        } else {
+            vec![CacheStorage::Float]
+        };
+        for storage in storages {
+            let label = format!("{name} {storage:?}");
+            let check = (label.as_str(), tolerance(name));
+            let mut cache = PagedKvCacheConfig::new(32)
+                .with_block_size(4)
+                .with_storage(storage)
+                .init();
+            let first_prompt = system(10);
+            let first = cache.add_sequence_with_prompt(&first_prompt);
+            assert_eq!(first.cached, 0, "{label}: an empty cache holds nothing");
+            let first = (first.id, first.cached);
+            prefill_and_check(
+                &module,
+                &embeddings,
+                &mut cache,
+                first,
+                &first_prompt,
+                check,
+            );
+            assert_eq!(cache.blocks_in_use(), 3);
+
+            // The first 9 tokens and 3 of its own: two whole blocks shared, its own rows from
+            // position 8 on.
+            let second_prompt = [&first_prompt[..9], &[60, 61, 62]].concat();
+            let second = cache.add_sequence_with_prompt(&second_prompt);
+            assert_eq!(second.cached, 8, "{label}");
+            assert_eq!(cache.blocks_in_use(), 3, "{label}: shared, not copied");
+            let second = (second.id, second.cached);
+            prefill_and_check(
+                &module,
+                &embeddings,
+                &mut cache,
+                second,
+                &second_prompt,
+                check,
+            );
+            // One more block for its positions 8-11 and none for the shared two.
+            assert_eq!(cache.blocks_in_use(), 4, "{label}");
+
+            // A prompt differing in its second block shares the first only.
+            let mut third_prompt = system(12);
+            third_prompt[5] = 63;
+            let third = cache.add_sequence_with_prompt(&third_prompt);
+            assert_eq!(third.cached, 4, "{label}");
+            let third = (third.id, third.cached);
+            prefill_and_check(
+                &module,
+                &embeddings,
+                &mut cache,
+                third,
+                &third_prompt,
+                check,
+            );
+
+            // Every sequence gone: their filed blocks are free and still shared by a prompt.
+            for id in [first.0, second.0, third.0] {
+                cache.remove_sequence(id).unwrap();
+            }
+            assert_eq!(cache.blocks_in_use(), 0, "{label}");
+            let again_prompt = system(11);
+            let again = cache.add_sequence_with_prompt(&again_prompt);
+            assert_eq!(again.cached, 8, "{label}: freed blocks not yet overwritten");
+            let again = (again.id, again.cached);
+            prefill_and_check(
+                &module,
+                &embeddings,
+                &mut cache,
+                again,
+                &again_prompt,
+                check,
+            );
+        }
+    }
+}
+
+#[test]
+fn blocks_overwritten_by_other_sequences_are_never_matched_again() {
+    let device = Device::flex();
+    let _seed = common::seed(&device, 42);
+    let module = MultiHeadAttentionConfig::new(D_MODEL, 4)
+        .with_rope(Some(RopeConfig::new()))
+        .init(&device);
+    let embeddings = Embeddings::new(&device);
+    // Six blocks of 4: the prompt's two whole blocks and its partial one, then other
+    // sequences that need every block the pool has.
+    let mut cache = PagedKvCacheConfig::new(6).with_block_size(4).init();
+    let prompt = system(10);
+    let first = cache.add_sequence_with_prompt(&prompt);
+    prefill_and_check(
+        &module,
+        &embeddings,
+        &mut cache,
+        (first.id, first.cached),
+        &prompt,
+        ("first", 1e-5),
+    );
+    cache.remove_sequence(first.id).unwrap();
+    // Three free blocks nothing can share, and the pool may grow: the filed ones stay.
+    let other = cache.add_sequence();
+    module
+        .forward_paged(randn([12, D_MODEL], &device), &mut cache, &[other; 12])
+        .unwrap();
+    assert_eq!(cache.add_sequence_with_prompt(&prompt).cached, 8);
+    // The matched sequence just made is removed again; now only filed blocks are free, and a
+    // sequence taking all of them overwrites them.
+    let matched = cache.sequences().last().unwrap();
+    cache.remove_sequence(matched).unwrap();
+    let last = cache.add_sequence();
+    module
+        .forward_paged(randn([12, D_MODEL], &device), &mut cache, &[last; 12])
+        .unwrap();
+    assert_eq!(cache.free_blocks(), 0);
+    cache.remove_sequence(last).unwrap();
+    let after = cache.add_sequence_with_prompt(&prompt);
+    assert_eq!(after.cached, 0, "overwritten blocks matched");
+    prefill_and_check(
+        &module,
+        &embeddings,
+        &mut cache,
+        (after.id, after.cached),
+        &prompt,
+        ("after", 1e-5),
+    );
+}
+
+#[test]
+fn a_causal_stack_shares_a_prompt_prefix_in_every_layer_with_the_same_outputs() {
+    use mha::transformer::TransformerEncoderInput;
+    let device = Device::flex();
+    let _seed = common::seed(&device, 43);
+    let stack = common::causal_stack(D_MODEL, &device);
+    let embeddings = Embeddings::new(&device);
+    let mut cache = stack.new_paged_cache(PagedKvCacheConfig::new(32).with_block_size(4));
+    let prompts = [system(9), [&system(8)[..], &[50, 51, 52]].concat()];
+    for (index, prompt) in prompts.iter().enumerate() {
+        let matched = cache.add_sequence_with_prompt(prompt);
+        assert_eq!(matched.cached, 8 * index, "prompt {index}");
+        let new = prompt.len() - matched.cached;
+        let output = stack
+            .forward_paged(
+                embeddings.rows(&prompt[matched.cached..]),
+                &mut cache,
+                &vec![matched.id; new],
+            )
+            .unwrap();
+        let alone = stack
+            .forward_cached(
+                TransformerEncoderInput::new(embeddings.rows(prompt).reshape([
+                    1,
+                    prompt.len(),
+                    D_MODEL,
+                ])),
+                &mut stack.new_cache(),
+            )
+            .unwrap()
+            .reshape([prompt.len(), D_MODEL])
+            .narrow(0, matched.cached, new);
+        assert_close(&format!("stack prompt {index}"), output, alone, 1e-5);
+    }
+    // The two whole blocks are stored once in each layer: 3 + 1 blocks, not 3 + 3.
+    let block_bytes = cache.layers()[0].block_bytes();
+    assert_eq!(cache.bytes_in_use(), 2 * 4 * block_bytes);
+    // Tokens sampled later are told, and their whole blocks shared too.
+    let first = cache.layers()[0].sequences().next().unwrap();
+    stack
+        .forward_paged(embeddings.rows(&[5, 6, 7]), &mut cache, &[first; 3])
+        .unwrap();
+    cache.extend_tokens(first, &[5, 6, 7]).unwrap();
+    let continued = [&system(9)[..], &[5, 6, 7, 1]].concat();
+    assert_eq!(cache.add_sequence_with_prompt(&continued).cached, 12);
+}
