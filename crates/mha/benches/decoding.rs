@@ -9,7 +9,7 @@
 //!
 //! `cargo bench --workspace --features burn-mha/wgpu,train-demo/ndarray,train-demo/wgpu --bench decoding`
 //! (options: `--positions 512,4096,16384`, `--steps 64`, `--concurrent 1,8,32`, `--rounds 16`, `--block-size 16`,
-//! `--ways paged,padded,single`, `--storage float,int8`;
+//! `--ways paged,padded,single`, `--storage float,half,int8`;
 //! an empty list skips its table).
 
 use std::time::Instant;
@@ -80,7 +80,11 @@ impl Options {
             rounds: 16,
             block_size: 16,
             ways: concurrent::Way::ALL.to_vec(),
-            storages: vec![mha::CacheStorage::Float, mha::CacheStorage::Int8],
+            storages: vec![
+                mha::CacheStorage::Float,
+                mha::CacheStorage::Half,
+                mha::CacheStorage::Int8,
+            ],
         };
         let list = |text: String, name: &str| -> Vec<usize> {
             text.split(',')

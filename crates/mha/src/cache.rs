@@ -43,10 +43,44 @@ pub enum CacheStorage {
     /// positions in the same memory at a head width of 64). The step's own new keys are used
     /// unquantized.
     Int8,
+    /// f16 (IEEE half precision): half the bytes of f32, a relative rounding of at most
+    /// 2^-11 per element. A step whose new keys or values reach beyond f16's range (±65504)
+    /// is refused ([`CacheError::BeyondHalfRange`]), not stored as infinities. `KvCache`
+    /// converts all of it to the module's type at every step (slower than float storage, as
+    /// int8 is); `PagedKvCache` reads it in place on flex. Where the
+    /// module's float type is f16 already, the same as [`CacheStorage::Float`]. Backends
+    /// without f16 tensors (ndarray) refuse it.
+    Half,
+}
+
+/// The largest magnitude f16 holds.
+pub(crate) const HALF_MAX: f32 = 65504.0;
+
+/// The largest magnitude among `tensors` if it is finite and beyond f16's range: what
+/// [`CacheStorage::Half`] refuses to store (as an infinity). `None` when f16 holds them all,
+/// and where one is already infinite or NaN, which f16 keeps as it is (and the attention
+/// propagates, as in f32).
+pub(crate) fn beyond_half_range(tensors: [&Tensor<4>; 2]) -> Option<f32> {
+    tensors
+        .into_iter()
+        .map(|tensor| tensor.clone().abs().max().into_scalar::<f32>())
+        .find(|largest| largest.is_finite() && *largest > HALF_MAX)
+}
+
+/// Whether `device` holds tensors stored as `storage` says (i8 for int8, f16 for half), and
+/// if not, why.
+pub(crate) fn storage_unsupported(storage: CacheStorage, device: &Device) -> Option<String> {
+    let (dtype, name) = match storage {
+        CacheStorage::Float => return None,
+        CacheStorage::Int8 => (DType::I8, "i8"),
+        CacheStorage::Half => (DType::F16, "f16"),
+    };
+    (!device.supports_dtype(dtype))
+        .then(|| format!("{device:?} has no {name} tensors; use CacheStorage::Float"))
 }
 
 /// Why a cached forward was refused. The cache is left unchanged.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum CacheError {
     /// The new tokens would take a [`CacheLimit::Fixed`] cache past its capacity.
     CapacityExceeded {
@@ -73,10 +107,17 @@ pub enum CacheError {
         /// Positions this step adds.
         new: usize,
     },
-    /// The cache's storage cannot live on this device (int8 where the backend has no i8).
+    /// The cache's storage cannot live on this device (int8 where the backend has no i8, f16
+    /// where it has no f16).
     Storage {
         /// What the device lacks.
         reason: String,
+    },
+    /// A new key or value is beyond f16's range (±65504), which [`CacheStorage::Half`] would
+    /// store as an infinity.
+    BeyondHalfRange {
+        /// The largest magnitude among the step's new keys and values.
+        largest: f32,
     },
     /// The cache holds keys and values of another attention module.
     OtherModule {
@@ -111,6 +152,11 @@ impl fmt::Display for CacheError {
                 cached + new
             ),
             Self::Storage { reason } => write!(f, "KV cache storage: {reason}"),
+            Self::BeyondHalfRange { largest } => write!(
+                f,
+                "KV cache: a new key or value of magnitude {largest} is beyond f16's range \
+                 (65504), which CacheStorage::Half cannot hold; use CacheStorage::Float"
+            ),
             Self::OtherModule { cached, module } => write!(
                 f,
                 "KV cache filled by another attention module ({cached}) than this step's \
@@ -181,6 +227,10 @@ impl Stored {
                 let Quantized { values, scales } = quantize_int8(tensor);
                 Self::Int8 { values, scales }
             }
+            CacheStorage::Half => Self::Float {
+                len: tensor.dims()[2],
+                buffer: in_dtype(tensor, DType::F16),
+            },
         }
     }
 
@@ -208,11 +258,12 @@ impl Stored {
     fn read(&self, dtype: DType) -> Tensor<4> {
         match self {
             Self::Float { buffer, len } => {
-                if buffer.dims()[2] == *len {
+                let stored = if buffer.dims()[2] == *len {
                     buffer.clone()
                 } else {
                     buffer.clone().narrow(2, 0, *len)
-                }
+                };
+                in_dtype(stored, dtype)
             }
             Self::Int8 { values, scales } => dequantize_int8(values.clone(), scales.clone(), dtype),
         }
@@ -305,6 +356,15 @@ impl Stored {
                 size(values.dims(), values.dtype()) + size(scales.dims(), scales.dtype())
             }
         }
+    }
+}
+
+/// `tensor` in `dtype`, converted only if it is in another.
+pub(crate) fn in_dtype(tensor: Tensor<4>, dtype: DType) -> Tensor<4> {
+    if tensor.dtype() == dtype {
+        tensor
+    } else {
+        tensor.cast(dtype)
     }
 }
 
@@ -522,10 +582,8 @@ impl KvCache {
                 new,
             });
         }
-        if self.storage == CacheStorage::Int8 && !device.supports_dtype(DType::I8) {
-            return Err(CacheError::Storage {
-                reason: format!("{device:?} has no i8 tensors; use CacheStorage::Float"),
-            });
+        if let Some(reason) = storage_unsupported(self.storage, device) {
+            return Err(CacheError::Storage { reason });
         }
         let stored = self.stored();
         // The step's keys at positions below `sinks`, new ones included: until the sinks are

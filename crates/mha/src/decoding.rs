@@ -4,7 +4,7 @@
 
 use burn::tensor::Tensor;
 
-use crate::cache::{CacheError, CrossAttentionCache, KvCache};
+use crate::cache::{CacheError, CacheStorage, CrossAttentionCache, KvCache, beyond_half_range};
 use crate::input::{AttentionPath, MhaInput, MhaOutput, NeedWeights};
 use crate::mask::Visibility;
 use crate::module::{MultiHeadAttention, RopeStarts, Sequences};
@@ -99,6 +99,11 @@ impl MultiHeadAttention {
             key: first_query,
         };
         let (query, key, value) = self.project(sequences, shared_input, starts);
+        if cache.storage() == CacheStorage::Half
+            && let Some(largest) = beyond_half_range([&key, &value])
+        {
+            return Err(CacheError::BeyondHalfRange { largest });
+        }
         let (key, value) = cache.append(step, key, value);
         let (key, value) = self.append_extra_positions(key, value);
         Ok(self.attend(query, key, value, &plan))

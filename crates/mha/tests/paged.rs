@@ -55,13 +55,17 @@ fn configs() -> Vec<(&'static str, MultiHeadAttentionConfig)> {
     ]
 }
 
-/// The storages `device` holds: int8 where it has i8 tensors (lavapipe's wgpu has none).
+/// The storages `device` holds: f16 where it has f16 tensors (not ndarray), int8 where it has
+/// i8 tensors (not lavapipe's wgpu).
 fn storages(device: &Device) -> Vec<CacheStorage> {
-    if device.supports_dtype(DType::I8) {
-        vec![CacheStorage::Float, CacheStorage::Int8]
-    } else {
-        vec![CacheStorage::Float]
+    let mut storages = vec![CacheStorage::Float];
+    if device.supports_dtype(DType::F16) {
+        storages.push(CacheStorage::Half);
     }
+    if device.supports_dtype(DType::I8) {
+        storages.push(CacheStorage::Int8);
+    }
+    storages
 }
 
 /// A paged cache and, per sequence, the `KvCache` that decodes it alone: each step is checked
@@ -206,8 +210,10 @@ fn every_sequence_of_a_ragged_step_equals_decoding_it_alone() {
         };
         for (label, config) in configs {
             let module = config.init(&device);
-            if !device.supports_dtype(DType::I8) {
-                int8_is_refused_where_the_device_has_no_i8(&module, &device);
+            for storage in [CacheStorage::Half, CacheStorage::Int8] {
+                if !storages(&device).contains(&storage) {
+                    storage_is_refused_where_the_device_lacks_it(&module, &device, storage);
+                }
             }
             for storage in storages(&device) {
                 let paged = PagedKvCacheConfig::new(64)
@@ -224,7 +230,7 @@ fn every_sequence_of_a_ragged_step_equals_decoding_it_alone() {
 /// Heads 32 and 64 wide, blocks of 16: the shapes the CPU kernel's AVX-512 path takes (whole
 /// 16-position parts, values a multiple of 16 wide), beside a last partial block per sequence.
 #[test]
-fn wide_heads_and_whole_blocks_equal_decoding_alone_in_f32_and_int8() {
+fn wide_heads_and_whole_blocks_equal_decoding_alone_in_every_storage() {
     let device = Device::flex();
     let _seed = common::seed(&device, 36);
     for (label, config) in [
@@ -237,7 +243,7 @@ fn wide_heads_and_whole_blocks_equal_decoding_alone_in_f32_and_int8() {
         ("mha, head_dim 64", MultiHeadAttentionConfig::new(128, 2)),
     ] {
         let module = config.init(&device);
-        for storage in [CacheStorage::Float, CacheStorage::Int8] {
+        for storage in [CacheStorage::Float, CacheStorage::Half, CacheStorage::Int8] {
             let paged = PagedKvCacheConfig::new(32)
                 .with_block_size(16)
                 .with_storage(storage);
@@ -274,7 +280,7 @@ fn a_shared_prompt_is_stored_once_and_each_continuation_equals_decoding_it_alone
         .with_n_kv_heads(Some(2))
         .with_rope(Some(RopeConfig::new()))
         .init(&device);
-    for storage in [CacheStorage::Float, CacheStorage::Int8] {
+    for storage in [CacheStorage::Float, CacheStorage::Half, CacheStorage::Int8] {
         let mut harness = Harness::new(
             &module,
             &device,
@@ -404,7 +410,7 @@ fn cache_memory_stays_within_one_block_per_sequence_of_what_is_stored() {
     let module = MultiHeadAttentionConfig::new(D_MODEL, 4)
         .with_n_kv_heads(Some(2))
         .init(&device);
-    for storage in [CacheStorage::Float, CacheStorage::Int8] {
+    for storage in [CacheStorage::Float, CacheStorage::Half, CacheStorage::Int8] {
         let block_size = 16;
         let mut cache = PagedKvCacheConfig::new(256)
             .with_block_size(block_size)
@@ -422,10 +428,11 @@ fn cache_memory_stays_within_one_block_per_sequence_of_what_is_stored() {
             .unwrap();
         let blocks: usize = lengths.iter().map(|n| n.div_ceil(block_size)).sum();
         assert_eq!(cache.blocks_in_use(), blocks, "{storage:?}");
-        // Per block, keys and values: 2 heads × 16 positions × 4 features of 4 bytes, or of
-        // 1 byte and a 4-byte scale per position and head.
+        // Per block, keys and values: 2 heads × 16 positions × 4 features of 4 bytes, of 2,
+        // or of 1 byte and a 4-byte scale per position and head.
         let element_bytes = match storage {
             CacheStorage::Float => 2 * (2 * block_size * 4 * 4),
+            CacheStorage::Half => 2 * (2 * block_size * 4 * 2),
             CacheStorage::Int8 => 2 * (2 * block_size * 4 + 2 * block_size * 4),
         };
         assert_eq!(cache.block_bytes(), element_bytes, "{storage:?}");
@@ -482,18 +489,25 @@ fn bad_steps_are_refused_clearly_and_leave_the_cache_unchanged() {
     assert!(narrow.contains("`input`"), "{narrow}");
 }
 
-/// On a device without i8 tensors an int8 pool refuses the step, naming the storage, and
-/// holds nothing.
-fn int8_is_refused_where_the_device_has_no_i8(module: &MultiHeadAttention, device: &Device) {
-    let mut cache = PagedKvCacheConfig::new(8)
-        .with_storage(CacheStorage::Int8)
-        .init();
+/// On a device without i8 (f16) tensors an int8 (half) pool refuses the step, naming the
+/// element type, and holds nothing.
+fn storage_is_refused_where_the_device_lacks_it(
+    module: &MultiHeadAttention,
+    device: &Device,
+    storage: CacheStorage,
+) {
+    let mut cache = PagedKvCacheConfig::new(8).with_storage(storage).init();
     let id = cache.add_sequence();
     let error = module
         .forward_paged(randn([2, D_MODEL], device), &mut cache, &[id, id])
         .unwrap_err();
+    let element = if storage == CacheStorage::Half {
+        "f16"
+    } else {
+        "i8"
+    };
     assert!(
-        matches!(&error, PagedCacheError::Storage { reason } if reason.contains("i8")),
+        matches!(&error, PagedCacheError::Storage { reason } if reason.contains(element)),
         "{error}"
     );
     assert_eq!((cache.len(id), cache.blocks_in_use()), (Some(0), 0));
@@ -505,7 +519,7 @@ fn a_causal_transformer_stack_serves_each_sequence_as_decoding_it_alone() {
     let device = Device::flex();
     let _seed = common::seed(&device, 37);
     let stack = common::causal_stack(D_MODEL, &device);
-    for storage in [CacheStorage::Float, CacheStorage::Int8] {
+    for storage in [CacheStorage::Float, CacheStorage::Half, CacheStorage::Int8] {
         let mut paged = stack.new_paged_cache(
             PagedKvCacheConfig::new(64)
                 .with_block_size(4)

@@ -5,8 +5,9 @@
 //! bytes each way's step reads and the time that takes at the read bandwidth measured on every
 //! core (the steps run on rayon's threads).
 //!
-//! Each table row is one storage of the caches too: f32, or int8 (`--storage float,int8`),
-//! which the paged step reads as stored and `KvCache` dequantizes into f32 each step.
+//! Each table row is one storage of the caches too: f32, f16 or int8 (`--storage
+//! float,half,int8`), which the paged step reads as stored and `KvCache` converts into f32
+//! each step.
 //!
 //! The ways take turns round by round, so that a shared machine's slow spells fall on all of
 //! them; beside each median the table gives the median of the per-round ratios to the paged
@@ -74,12 +75,13 @@ pub struct Runs<'a> {
     pub storages: &'a [CacheStorage],
 }
 
-/// `float` or `int8` (the names `--storage` takes).
+/// `float`, `half` or `int8` (the names `--storage` takes).
 pub fn parse_storage(name: &str) -> CacheStorage {
     match name {
         "float" => CacheStorage::Float,
+        "half" => CacheStorage::Half,
         "int8" => CacheStorage::Int8,
-        _ => panic!("--storage: float or int8, not {name:?}"),
+        _ => panic!("--storage: float, half or int8, not {name:?}"),
     }
 }
 
@@ -115,9 +117,10 @@ fn cell(
     let lengths: Vec<usize> = (0..count).map(|i| LENGTHS[i % LENGTHS.len()]).collect();
     let longest = *lengths.iter().max().expect("a sequence");
     let stored: usize = lengths.iter().sum();
-    // Keys and values of every key/value head: f32, or i8 and an f32 scale.
+    // Keys and values of every key/value head: f32, f16, or i8 and an f32 scale.
     let position_bytes = match storage {
         CacheStorage::Float => 2 * sizes.kv_heads * sizes.head_dim * 4,
+        CacheStorage::Half => 2 * sizes.kv_heads * sizes.head_dim * 2,
         CacheStorage::Int8 => 2 * sizes.kv_heads * (sizes.head_dim + 4),
     };
     let weight_bytes = 4

@@ -449,7 +449,8 @@ pub(crate) fn prefetch<T>(values: &[T], len: usize) {
 
 mod online;
 pub(crate) use online::{
-    KeyLayout, KeyTile, LogitRule, OnlineRow, TileScales, attend_int8_tile, attend_tile,
+    KeyLayout, KeyTile, LogitRule, OnlineRow, TileScales, attend_half_tile, attend_int8_tile,
+    attend_tile,
 };
 
 #[cfg(test)]

@@ -1,10 +1,10 @@
-//! Flex's and ndarray's f32 storage (and i8, for int8 caches) as the CPU kernels read it
+//! Flex's and ndarray's f32 storage (and i8 and f16, for int8 and half caches) as the CPU kernels read it
 //! (strided slices, no copy where the layout allows) and write it (a kernel's buffer handed
 //! over as the tensor's storage).
 
 use burn::backend::tensor::{FloatTensor, IntTensor};
 use burn::backend::{Backend, DType, DispatchDevice, TensorMetadata};
-use burn::tensor::Device;
+use burn::tensor::{Device, f16};
 
 use super::buffers::{self, BufferSource};
 use super::matrix::{HeadsView, Strided};
@@ -28,6 +28,20 @@ pub(crate) trait CpuStorage: Backend {
     /// The i8 elements from the tensor's first one on, and its four strides, if all are
     /// non-negative and the last is 1.
     fn int8_strided(tensor: &IntTensor<Self>) -> Option<Strided<'_, i8>>;
+
+    /// `tensor` itself, or a copy in a layout [`CpuStorage::half_strided`] reads, for f16;
+    /// `None` where the backend has no f16 tensors (ndarray).
+    fn half_readable(tensor: &FloatTensor<Self>) -> Option<FloatTensor<Self>> {
+        let _ = tensor;
+        None
+    }
+
+    /// The f16 elements from the tensor's first one on, and its four strides, if all are
+    /// non-negative and the last is 1.
+    fn half_strided(tensor: &FloatTensor<Self>) -> Option<Strided<'_, f16>> {
+        let _ = tensor;
+        None
+    }
 
     /// A tensor of logical shape `[batch, heads, seq, dim]` over `values` laid out
     /// `[batch, seq, heads, dim]`, without a copy: an output handed over to the caller.
@@ -55,6 +69,16 @@ pub(crate) trait CpuStorage: Backend {
     /// If the tensor is not of rank 4.
     fn heads_view(tensor: &FloatTensor<Self>) -> Option<HeadsView<'_>> {
         let strided = Self::strided(tensor)?;
+        Some(HeadsView::new(strided, rank_4(tensor)))
+    }
+
+    /// A rank-4 f16 tensor as a [`HeadsView`], if [`CpuStorage::half_strided`] reads it.
+    ///
+    /// # Panics
+    ///
+    /// If the tensor is not of rank 4.
+    fn half_heads_view(tensor: &FloatTensor<Self>) -> Option<HeadsView<'_, f16>> {
+        let strided = Self::half_strided(tensor)?;
         Some(HeadsView::new(strided, rank_4(tensor)))
     }
 
@@ -135,6 +159,22 @@ impl CpuStorage for burn::backend::Flex {
     fn int8_strided(tensor: &IntTensor<Self>) -> Option<Strided<'_, i8>> {
         let (start, strides) = flex_strides(tensor, DType::I8)?;
         let values = tensor.storage::<i8>().get(start..)?;
+        Some(Strided { values, strides })
+    }
+
+    fn half_readable(tensor: &FloatTensor<Self>) -> Option<FloatTensor<Self>> {
+        if tensor.dtype() != DType::F16 {
+            return None;
+        }
+        Some(match Self::half_strided(tensor) {
+            Some(_) => tensor.clone(),
+            None => tensor.to_contiguous(),
+        })
+    }
+
+    fn half_strided(tensor: &FloatTensor<Self>) -> Option<Strided<'_, f16>> {
+        let (start, strides) = flex_strides(tensor, DType::F16)?;
+        let values = tensor.storage::<f16>().get(start..)?;
         Some(Strided { values, strides })
     }
 

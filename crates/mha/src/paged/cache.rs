@@ -7,11 +7,11 @@ use core::fmt;
 use std::collections::{BTreeMap, VecDeque};
 use std::ops::Range;
 
-use burn::tensor::{DType, Device, Tensor};
+use burn::tensor::{Device, Tensor};
 
 use super::prefix::{PrefixIndex, Token, TokenRecord};
 use super::store::{BlockLayout, BlockStore};
-use crate::cache::{CacheOwner, CacheStorage};
+use crate::cache::{CacheOwner, CacheStorage, storage_unsupported};
 
 /// One sequence of a [`PagedKvCache`], as [`PagedKvCache::add_sequence`] and
 /// [`PagedKvCache::fork`] hand it out. Ids are never reused by a cache; an id names a sequence
@@ -106,7 +106,7 @@ impl PagedKvCacheConfig {
 }
 
 /// Why a paged step or a sequence operation was refused. The cache is left unchanged.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum PagedCacheError {
     /// The pool has too few free blocks for the step: no sequence's state was touched.
     PoolFull {
@@ -128,10 +128,17 @@ pub enum PagedCacheError {
         /// Positions it holds.
         len: usize,
     },
-    /// The cache's storage cannot live on this device (int8 where the backend has no i8).
+    /// The cache's storage cannot live on this device (int8 where the backend has no i8, f16
+    /// where it has no f16).
     Storage {
         /// What the device lacks.
         reason: String,
+    },
+    /// A new key or value of the step is beyond f16's range (±65504), which
+    /// [`CacheStorage::Half`] would store as an infinity.
+    BeyondHalfRange {
+        /// The largest magnitude among the step's new keys and values.
+        largest: f32,
     },
     /// The cache holds keys and values of another attention module.
     OtherModule {
@@ -166,6 +173,11 @@ impl fmt::Display for PagedCacheError {
                 "paged KV cache: a prefix of {prefix} positions of {sequence}, which holds {len}"
             ),
             Self::Storage { reason } => write!(f, "paged KV cache storage: {reason}"),
+            Self::BeyondHalfRange { largest } => write!(
+                f,
+                "paged KV cache: a new key or value of magnitude {largest} is beyond f16's range \
+                 (65504), which CacheStorage::Half cannot hold; use CacheStorage::Float"
+            ),
             Self::OtherModule { cached, module } => write!(
                 f,
                 "paged KV cache filled by another attention module ({cached}) than this step's \
@@ -621,10 +633,8 @@ impl PagedKvCache {
                 module: owner,
             });
         }
-        if self.config.storage == CacheStorage::Int8 && !device.supports_dtype(DType::I8) {
-            return Err(PagedCacheError::Storage {
-                reason: format!("{device:?} has no i8 tensors; use CacheStorage::Float"),
-            });
+        if let Some(reason) = storage_unsupported(self.config.storage, device) {
+            return Err(PagedCacheError::Storage { reason });
         }
         let mut pool = PoolPlan {
             free_taken: 0,

@@ -2,7 +2,8 @@
 //! sequence's keys and values through the block table, block by block, where they lie in the
 //! pool (no gather into a contiguous copy), with an online softmax over the blocks. An int8
 //! pool is read as it is stored, i8 and a scale per position (nothing dequantized into memory),
-//! so that a step reads a quarter of the bytes.
+//! so that a step reads a quarter of the bytes; an f16 pool likewise, converted as it is read
+//! (half the bytes).
 //!
 //! A task is one sequence's rows: each key/value head's query heads share every key and value
 //! row they read (GQA without copies), and tasks write disjoint outputs.
@@ -12,7 +13,7 @@ use std::sync::Arc;
 
 use burn::backend::tensor::{FloatTensor, IntTensor};
 use burn::backend::{Backend, Dispatch, backend_extension};
-use burn::tensor::{DType, Tensor};
+use burn::tensor::{DType, Tensor, f16};
 use rayon::prelude::*;
 
 use super::cache::{PagedKvCache, SequenceStep};
@@ -63,8 +64,8 @@ pub(crate) trait PagedAttentionBackend: Backend {
     /// # Shapes
     ///
     /// - query: `[1, n_heads, rows, head_dim]`
-    /// - key_blocks: `[blocks, n_kv_heads, head_dim, block_size]` (feature-major)
-    /// - value_blocks: `[blocks, n_kv_heads, block_size, head_dim]`
+    /// - key_blocks: `[blocks, n_kv_heads, head_dim, block_size]` (feature-major), f32 or f16
+    /// - value_blocks: `[blocks, n_kv_heads, block_size, head_dim]`, as the keys
     /// - new_key, new_value: `[1, n_kv_heads, rows, head_dim]`
     /// - output: `[1, n_heads, rows, head_dim]`
     fn paged_attention(
@@ -111,13 +112,22 @@ macro_rules! native_paged_attention_backend {
                 new_value: FloatTensor<Self>,
                 params: PagedParams,
             ) -> FloatTensor<Self> {
+                // An f16 pool is `CacheStorage::Half`'s; the others are in the module's type.
+                let pool = if burn::backend::TensorMetadata::dtype(&key_blocks) == DType::F16 {
+                    PoolTensors::Half {
+                        keys: key_blocks,
+                        values: value_blocks,
+                    }
+                } else {
+                    PoolTensors::Float {
+                        keys: key_blocks,
+                        values: value_blocks,
+                    }
+                };
                 paged_attention::<Self>(
                     PagedTensors {
                         query,
-                        pool: PoolTensors::Float {
-                            keys: key_blocks,
-                            values: value_blocks,
-                        },
+                        pool,
                         new_key,
                         new_value,
                     },
@@ -266,6 +276,11 @@ enum PoolTensors<B: Backend> {
         keys: FloatTensor<B>,
         values: FloatTensor<B>,
     },
+    /// f16 blocks (`CacheStorage::Half`).
+    Half {
+        keys: FloatTensor<B>,
+        values: FloatTensor<B>,
+    },
     /// i8 blocks and their scales (`[blocks, n_kv_heads, 1, block_size]` for the keys,
     /// `[blocks, n_kv_heads, block_size, 1]` for the values).
     Int8 {
@@ -290,6 +305,10 @@ enum PoolViews<'a> {
         keys: HeadsView<'a>,
         values: HeadsView<'a>,
     },
+    Half {
+        keys: HeadsView<'a, f16>,
+        values: HeadsView<'a, f16>,
+    },
     Int8 {
         keys: HeadsView<'a, i8>,
         key_scales: HeadsView<'a>,
@@ -303,6 +322,7 @@ impl PoolViews<'_> {
     fn key_shape(&self) -> [usize; 4] {
         match self {
             Self::Float { keys, .. } => keys.shape(),
+            Self::Half { keys, .. } => keys.shape(),
             Self::Int8 { keys, .. } => keys.shape(),
         }
     }
@@ -311,6 +331,7 @@ impl PoolViews<'_> {
     fn value_shape(&self) -> [usize; 4] {
         match self {
             Self::Float { values, .. } => values.shape(),
+            Self::Half { values, .. } => values.shape(),
             Self::Int8 { values, .. } => values.shape(),
         }
     }
@@ -337,6 +358,7 @@ fn paged_attention<B: CpuStorage>(
     params: &PagedParams,
 ) -> FloatTensor<B> {
     let readable = |tensor: &FloatTensor<B>| B::readable(tensor).expect("f32 tensors");
+    let half_readable = |tensor: &FloatTensor<B>| B::half_readable(tensor).expect("f16 blocks");
     let int8_readable = |tensor: &IntTensor<B>| B::int8_readable(tensor).expect("i8 blocks");
     let tensors = PagedTensors::<B> {
         query: readable(&tensors.query),
@@ -344,6 +366,10 @@ fn paged_attention<B: CpuStorage>(
             PoolTensors::Float { keys, values } => PoolTensors::Float {
                 keys: readable(keys),
                 values: readable(values),
+            },
+            PoolTensors::Half { keys, values } => PoolTensors::Half {
+                keys: half_readable(keys),
+                values: half_readable(values),
             },
             PoolTensors::Int8 {
                 keys,
@@ -361,6 +387,7 @@ fn paged_attention<B: CpuStorage>(
         new_value: readable(&tensors.new_value),
     };
     let view = |tensor| B::heads_view(tensor).expect("a readable layout");
+    let half_view = |tensor| B::half_heads_view(tensor).expect("a readable layout");
     let int8_view = |tensor| B::int8_heads_view(tensor).expect("a readable layout");
     let views = Views {
         query: view(&tensors.query),
@@ -368,6 +395,10 @@ fn paged_attention<B: CpuStorage>(
             PoolTensors::Float { keys, values } => PoolViews::Float {
                 keys: view(keys),
                 values: view(values),
+            },
+            PoolTensors::Half { keys, values } => PoolViews::Half {
+                keys: half_view(keys),
+                values: half_view(values),
             },
             PoolTensors::Int8 {
                 keys,
@@ -522,12 +553,43 @@ fn chunks(
     stored_chunks.chain(new_chunk)
 }
 
-/// One chunk's keys and values of one key/value head, where they lie: f32, or the i8 of an
-/// int8 pool's block and its scales.
+/// One chunk's keys and values of one key/value head, where they lie: f32, f16, or the i8 of
+/// an int8 pool's block and its scales.
 #[derive(Clone, Copy)]
 enum Tile<'a> {
     Float(simd::KeyTile<'a>),
+    Half(simd::KeyTile<'a, f16>),
     Int8(simd::KeyTile<'a, i8>, simd::TileScales<'a>),
+}
+
+/// `count` positions of a stored block from `offset` on, of one key/value head.
+#[derive(Clone, Copy)]
+struct BlockPart {
+    head: HeadIndex,
+    offset: usize,
+    count: usize,
+}
+
+impl BlockPart {
+    /// The part's keys (feature-major) and values where they lie in the pool's views.
+    fn tile<'a, E>(
+        self,
+        keys: &HeadsView<'a, E>,
+        values: &HeadsView<'a, E>,
+    ) -> simd::KeyTile<'a, E> {
+        let (keys, values) = (
+            keys.head(self.head).columns(self.offset, self.count),
+            values.head(self.head).rows(self.offset, self.count),
+        );
+        simd::KeyTile {
+            keys: keys.values,
+            key_stride: keys.row_stride,
+            layout: simd::KeyLayout::Columns,
+            values: values.values,
+            value_stride: values.row_stride,
+            count: self.count,
+        }
+    }
 }
 
 /// `chunk`'s keys and values of key/value head `kv_head`.
@@ -544,49 +606,30 @@ fn tile<'a>(
                 batch: sequence.blocks[index],
                 head: kv_head,
             };
+            let block = BlockPart {
+                head,
+                offset,
+                count,
+            };
             match &views.pool {
-                PoolViews::Float { keys, values } => {
-                    let (keys, values) = (
-                        keys.head(head).columns(offset, count),
-                        values.head(head).rows(offset, count),
-                    );
-                    Tile::Float(simd::KeyTile {
-                        keys: keys.values,
-                        key_stride: keys.row_stride,
-                        layout: simd::KeyLayout::Columns,
-                        values: values.values,
-                        value_stride: values.row_stride,
-                        count,
-                    })
-                }
+                PoolViews::Float { keys, values } => Tile::Float(block.tile(keys, values)),
+                PoolViews::Half { keys, values } => Tile::Half(block.tile(keys, values)),
                 PoolViews::Int8 {
                     keys,
                     key_scales,
                     values,
                     value_scales,
                 } => {
-                    let (keys, values) = (
-                        keys.head(head).columns(offset, count),
-                        values.head(head).rows(offset, count),
-                    );
                     // A row of one scale per position for the keys, a column for the values.
                     let key_scales = key_scales.head(head).columns(offset, count);
                     let value_scales = value_scales.head(head).rows(offset, count);
-                    let tile = simd::KeyTile {
-                        keys: keys.values,
-                        key_stride: keys.row_stride,
-                        layout: simd::KeyLayout::Columns,
-                        values: values.values,
-                        value_stride: values.row_stride,
-                        count,
-                    };
                     let scales = simd::TileScales {
                         keys: key_scales.values,
                         key_stride: key_scales.column_stride,
                         values: value_scales.values,
                         value_stride: value_scales.row_stride,
                     };
-                    Tile::Int8(tile, scales)
+                    Tile::Int8(block.tile(keys, values), scales)
                 }
             }
         }
@@ -688,6 +731,7 @@ fn sequence_output(
                 };
                 match *tile {
                     Tile::Float(tile) => simd::attend_tile(&mut online, tile, rule),
+                    Tile::Half(tile) => simd::attend_half_tile(&mut online, tile, rule),
                     Tile::Int8(tile, scales) => {
                         simd::attend_int8_tile(&mut online, tile, scales, rule)
                     }
@@ -711,6 +755,7 @@ fn prefetch(tile: &Tile, dim: usize) {
     }
     match tile {
         Tile::Float(tile) => elements(tile, dim),
+        Tile::Half(tile) => elements(tile, dim),
         Tile::Int8(tile, scales) => {
             elements(tile, dim);
             simd::prefetch(scales.keys, tile.count * scales.key_stride);

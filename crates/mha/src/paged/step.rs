@@ -4,6 +4,7 @@
 use burn::tensor::{DType, Tensor};
 
 use super::cache::{PagedCacheError, PagedKvCache, SequenceId, SequenceRows, SequenceStep};
+use crate::cache::{CacheStorage, beyond_half_range};
 use crate::input::{AttentionPath, NeedWeights};
 use crate::mask::{Positions, Visibility};
 use crate::module::MultiHeadAttention;
@@ -92,6 +93,11 @@ impl MultiHeadAttention {
             .flat_map(|sequence| sequence.past..sequence.past + sequence.rows.len())
             .collect();
         let (query, key, value) = self.project_at(input.reshape([1, rows, d_model]), &positions);
+        if cache.config().storage == CacheStorage::Half
+            && let Some(largest) = beyond_half_range([&key, &value])
+        {
+            return Err(PagedCacheError::BeyondHalfRange { largest });
+        }
         cache.store(&step, &key, &value);
         let heads = StepHeads { query, key, value };
         let in_place: Vec<&SequenceStep> = step

@@ -1,12 +1,12 @@
 //! The block pool of one of a [`PagedKvCache`](super::PagedKvCache)'s two sides: values
 //! `[blocks, heads, block_size, dim]`, keys feature-major `[blocks, heads, dim, block_size]`
-//! ([`BlockLayout`]), in floats or in int8 with a scale per position and head (as
-//! [`CacheStorage::Int8`]).
+//! ([`BlockLayout`]), in floats (the module's type, or f16 as [`CacheStorage::Half`]) or in
+//! int8 with a scale per position and head (as [`CacheStorage::Int8`]).
 
 use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 
 use super::cache::{BlockTable, PagedKvCacheConfig};
-use crate::cache::{CacheStorage, Quantized, dequantize_int8, quantize_int8};
+use crate::cache::{CacheStorage, Quantized, dequantize_int8, in_dtype, quantize_int8};
 
 /// How a block lays out its positions and features.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -40,6 +40,7 @@ pub(crate) struct BlockStore {
 /// A store's tensors as the native kernel reads them, in the store's [`BlockLayout`].
 #[cfg_attr(not(any(feature = "flex", feature = "ndarray")), allow(dead_code))]
 pub(crate) enum StoredBlocks<'a> {
+    /// In the module's float type, or f16.
     Float(&'a Tensor<4>),
     /// i8 values, and their scales with a feature axis of 1.
     Int8 {
@@ -53,7 +54,7 @@ pub(crate) enum StoredBlocks<'a> {
 // The int8 variant holds two tensors; two stores live in a cache, never in bulk.
 #[allow(clippy::large_enum_variant)]
 enum BlockData {
-    /// In the module's float type.
+    /// In the module's float type, or f16 ([`CacheStorage::Half`]).
     Float { blocks: Tensor<4> },
     /// i8 values and their scales (one per position and head: a feature axis of 1).
     Int8 {
@@ -74,6 +75,9 @@ impl BlockStore {
         let data = match config.storage {
             CacheStorage::Float => BlockData::Float {
                 blocks: laid_out(rows, layout),
+            },
+            CacheStorage::Half => BlockData::Float {
+                blocks: laid_out(in_dtype(rows, DType::F16), layout),
             },
             CacheStorage::Int8 => {
                 // Scales in the module's float type, as each step's quantized rows have them
@@ -167,9 +171,12 @@ impl BlockStore {
     pub fn written(self, table: &BlockTable, past: usize, rows: Tensor<4>) -> Self {
         let layout = self.layout;
         let data = match self.data {
-            BlockData::Float { blocks } => BlockData::Float {
-                blocks: write_rows(blocks, layout, table, past, laid_out(rows, layout)),
-            },
+            BlockData::Float { blocks } => {
+                let rows = laid_out(in_dtype(rows, blocks.dtype()), layout);
+                BlockData::Float {
+                    blocks: write_rows(blocks, layout, table, past, rows),
+                }
+            }
             BlockData::Int8 { values, scales } => {
                 let Quantized {
                     values: new_values,
@@ -189,7 +196,7 @@ impl BlockStore {
     pub fn gather(&self, table: &BlockTable, len: usize, dtype: DType) -> Tensor<4> {
         let layout = self.layout;
         match &self.data {
-            BlockData::Float { blocks } => gathered(blocks, layout, table, len),
+            BlockData::Float { blocks } => in_dtype(gathered(blocks, layout, table, len), dtype),
             BlockData::Int8 { values, scales } => dequantize_int8(
                 gathered(values, layout, table, len),
                 gathered(scales, layout, table, len),

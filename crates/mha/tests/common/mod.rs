@@ -14,7 +14,7 @@ use serde_json::Value;
 
 mod devices;
 #[allow(unused_imports)] // each test binary uses its own subset
-pub use devices::{devices_from, test_devices, tolerance};
+pub use devices::{device_by_name, devices_from, test_devices, tolerance};
 
 /// Seeds `device`'s backend generator and holds a lock until the guard drops. Burn's seeded
 /// generator is one per backend and process, shared by the tests that `cargo test` runs on

@@ -1,4 +1,4 @@
-//! One tile of keys and values (f32, or i8 with a scale per position) added to a query row's
+//! One tile of keys and values (f32, f16, or i8 with a scale per position) added to a query row's
 //! online softmax, for the query heads that share a key/value head: the paged decoding step's
 //! inner loop in one call — scores, soft cap, ALiBi, the rescale, the exponentials and the
 //! weighted values — with the scores and sums in registers.
@@ -27,13 +27,25 @@ pub(crate) enum KeyLayout {
     Rows,
 }
 
-/// An element a tile stores its keys and values in: f32, or i8 with a scale per position
+/// An element a tile stores its keys and values in: f32, f16, or i8 with a scale per position
 /// ([`TileScales`]).
 pub(crate) trait TileElement: Copy {
     /// Whether the element is i8 (the AVX-512 path converts it on loading).
     const INT8: bool;
+    /// Whether the element is f16 (the AVX-512 path converts it on loading).
+    const HALF: bool = false;
 
     fn float(self) -> f32;
+}
+
+impl TileElement for burn::tensor::f16 {
+    const INT8: bool = false;
+    const HALF: bool = true;
+
+    #[inline(always)]
+    fn float(self) -> f32 {
+        self.to_f32()
+    }
 }
 
 impl TileElement for f32 {
@@ -158,7 +170,21 @@ pub(crate) fn attend_int8_tile(
     attend_int8_checked(row, &tile, &scales, &rule, dim, value_dim);
 }
 
-/// The row's query and value widths, once checked against the tile (what both entry points
+/// [`attend_tile`] for a tile of f16 keys and values, converted to f32 as they are read.
+///
+/// # Panics
+///
+/// As [`attend_tile`].
+pub(crate) fn attend_half_tile(
+    row: &mut OnlineRow,
+    tile: KeyTile<burn::tensor::f16>,
+    rule: LogitRule,
+) {
+    let (dim, value_dim) = checked_sizes(row, &tile, &rule);
+    attend_half_checked(row, &tile, &rule, dim, value_dim);
+}
+
+/// The row's query and value widths, once checked against the tile (what the entry points
 /// check).
 fn checked_sizes<E>(row: &OnlineRow, tile: &KeyTile<E>, rule: &LogitRule) -> (usize, usize) {
     let heads = row.maxima.len();
@@ -203,6 +229,18 @@ dispatch! {
         value_dim: usize
     ) -> () {
         attend_parts::<FMA, f32>(row, tile, None, rule, (dim, value_dim))
+    }
+}
+
+dispatch! {
+    fn attend_half_checked(
+        row: &mut OnlineRow,
+        tile: &KeyTile<burn::tensor::f16>,
+        rule: &LogitRule,
+        dim: usize,
+        value_dim: usize
+    ) -> () {
+        attend_parts::<FMA, burn::tensor::f16>(row, tile, None, rule, (dim, value_dim))
     }
 }
 
@@ -497,8 +535,8 @@ mod avx512 {
     };
 
     /// Whether [`attend_part`] takes `part`: the CPU has AVX-512F, the keys are feature-major,
-    /// the logits are the scores, the values are whole vectors, and an int8 part is a whole
-    /// one (its loads are not masked).
+    /// the logits are the scores, the values are whole vectors, and an int8 or f16 part is a
+    /// whole one (its loads are not masked).
     pub(super) fn takes<E: TileElement>(
         tile: &KeyTile<E>,
         rule: &LogitRule,
@@ -508,24 +546,26 @@ mod avx512 {
             && rule.softcap.is_none()
             && rule.alibi.is_none()
             && part.value_dim.is_multiple_of(LANES)
-            && (!E::INT8 || part.lanes == LANES)
+            && (!(E::INT8 || E::HALF) || part.lanes == LANES)
             && std::arch::is_x86_feature_detected!("avx512f")
     }
 
     /// Sixteen elements from `elements` as floats: the `lanes` of f32 (the others 0), or all
-    /// sixteen i8 converted.
+    /// sixteen i8 or f16 converted.
     ///
     /// # Safety
     ///
     /// The CPU has AVX-512F; the lanes read lie inside the slice `elements` points into (all
-    /// sixteen for i8).
+    /// sixteen for i8 and f16).
     #[inline]
     #[target_feature(enable = "avx512f")]
     unsafe fn load<E: TileElement>(elements: *const E, lanes: __mmask16) -> __m512 {
-        // SAFETY: the caller's; `E` is i8 or f32 as `E::INT8` says.
+        // SAFETY: the caller's; `E` is i8, f16 or f32 as `E::INT8` and `E::HALF` say.
         unsafe {
             if E::INT8 {
                 _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(elements.cast())))
+            } else if E::HALF {
+                _mm512_cvtph_ps(_mm256_loadu_si256(elements.cast()))
             } else {
                 _mm512_maskz_loadu_ps(lanes, elements.cast())
             }

@@ -1,0 +1,110 @@
+//! f16 storage of the KV caches (`CacheStorage::Half`): within f16's rounding of f32 storage
+//! at half the bytes, keys and values beyond f16's range refused rather than stored as
+//! infinities, and backends without f16 tensors refused by name.
+
+mod common;
+
+use burn::tensor::{DType, Device, Tensor};
+use common::{max_abs_diff, randn, test_devices};
+use mha::{
+    CacheError, CacheStorage, KvCache, MhaInput, MultiHeadAttention, MultiHeadAttentionConfig,
+    PagedCacheError, PagedKvCacheConfig, RopeConfig,
+};
+
+const D_MODEL: usize = 32;
+
+fn module(device: &Device) -> MultiHeadAttention {
+    MultiHeadAttentionConfig::new(D_MODEL, 4)
+        .with_n_kv_heads(Some(2))
+        .with_rope(Some(RopeConfig::new()))
+        .init(device)
+}
+
+/// A prompt of 12 tokens, then 8 decoding steps: each step's output, `[tokens, d_model]`.
+fn decode(module: &MultiHeadAttention, cache: &mut KvCache, tokens: &Tensor<2>) -> Tensor<2> {
+    let device = tokens.device();
+    let mut outputs = Vec::new();
+    let mut start = 0;
+    for length in std::iter::once(12).chain([1; 8]) {
+        let step = tokens.clone().narrow(0, start, length);
+        let input = MhaInput::self_attn(step.reshape([1, length, D_MODEL])).causal();
+        let output = module.forward_cached(input, cache).unwrap().context;
+        outputs.push(output.reshape([length, D_MODEL]));
+        start += length;
+    }
+    assert_eq!(outputs[0].device(), device);
+    Tensor::cat(outputs, 0)
+}
+
+#[test]
+fn a_half_cache_decodes_within_f16_rounding_of_a_float_one_in_half_the_bytes() {
+    for (name, device) in test_devices() {
+        if !device.supports_dtype(DType::F16) {
+            continue;
+        }
+        let _seed = common::seed(&device, 51);
+        let module = module(&device);
+        let tokens = randn([20, D_MODEL], &device);
+        let mut float = KvCache::new();
+        let mut half = KvCache::new().with_storage(CacheStorage::Half);
+        let (expected, actual) = (
+            decode(&module, &mut float, &tokens),
+            decode(&module, &mut half, &tokens),
+        );
+        // Keys and values rounded to 11 significant bits (a relative 2^-11 each); the outputs
+        // are within a few times that of the f32 cache's, not equal to them.
+        let difference = max_abs_diff(expected, actual);
+        assert!(difference < 5e-3, "{name}: {difference}");
+        assert!(difference > 0.0, "{name}: the half cache rounds nothing");
+        assert_eq!(half.len(), float.len());
+        assert_eq!(2 * half.bytes(), float.bytes(), "{name}");
+    }
+}
+
+#[test]
+fn keys_beyond_f16_range_are_refused_by_both_caches_which_keep_what_they_held() {
+    let device = Device::flex();
+    let _seed = common::seed(&device, 52);
+    let module = module(&device);
+    let small = randn([3, D_MODEL], &device);
+    // Projections of inputs a million times larger: keys and values far beyond 65504.
+    let huge = randn([1, D_MODEL], &device) * 1e6;
+
+    let mut cache = KvCache::new().with_storage(CacheStorage::Half);
+    let input = |x: Tensor<2>, n| MhaInput::self_attn(x.reshape([1, n, D_MODEL])).causal();
+    module.forward_cached(input(small, 3), &mut cache).unwrap();
+    let error = module
+        .forward_cached(input(huge.clone(), 1), &mut cache)
+        .unwrap_err();
+    assert!(
+        matches!(error, CacheError::BeyondHalfRange { largest } if largest > 65504.0),
+        "{error}"
+    );
+    assert!(error.to_string().contains("CacheStorage::Float"), "{error}");
+    assert_eq!(cache.len(), 3);
+
+    let mut paged = PagedKvCacheConfig::new(8)
+        .with_storage(CacheStorage::Half)
+        .init();
+    let id = paged.add_sequence();
+    let error = module.forward_paged(huge, &mut paged, &[id]).unwrap_err();
+    assert!(
+        matches!(error, PagedCacheError::BeyondHalfRange { largest } if largest > 65504.0),
+        "{error}"
+    );
+    assert_eq!((paged.len(id), paged.blocks_in_use()), (Some(0), 0));
+}
+
+#[test]
+fn a_backend_without_f16_tensors_refuses_a_half_cache_by_name() {
+    let device = common::device_by_name("ndarray").unwrap();
+    let module = module(&device);
+    let mut cache = KvCache::new().with_storage(CacheStorage::Half);
+    let input = MhaInput::self_attn(randn([1, 2, D_MODEL], &device)).causal();
+    let error = module.forward_cached(input, &mut cache).unwrap_err();
+    assert!(
+        matches!(&error, CacheError::Storage { reason } if reason.contains("f16")),
+        "{error}"
+    );
+    assert!(cache.is_empty());
+}
