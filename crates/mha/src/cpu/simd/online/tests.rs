@@ -1,11 +1,24 @@
 //! [`attend_tile`] against a softmax computed in f64 over all of a row's positions at once.
 //!
 //! On an AVX-512 machine the cases with feature-major keys, no soft cap, no ALiBi and value
-//! widths a multiple of 16 take the intrinsics path (for int8, whole parts of 16 positions);
-//! the others (row-major keys, a soft cap, ALiBi, value widths 8, 40 or 100, int8's partial
-//! parts) the lane loops, so that both are held to one reference, in f32 and in int8.
+//! widths a multiple of 16 take the intrinsics path (for int8 and f16, whole parts of 16
+//! positions); the others (row-major keys, a soft cap, ALiBi, value widths 8, 40 or 100, int8's
+//! and f16's partial parts) the lane loops, so that both are held to one reference, in f32, f16
+//! and int8.
+
+use burn::tensor::f16;
 
 use super::*;
+
+/// The element a case's tiles store their keys and values in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Element {
+    F32,
+    /// [`attend_half_tile`]: the f32 keys and values rounded to f16.
+    F16,
+    /// [`attend_int8_tile`]: i8 with a scale per position.
+    I8,
+}
 
 /// `length` values spread over [-2, 2] without a pattern a kernel could get right by accident.
 fn spread_values(length: usize, salt: usize) -> Vec<f32> {
@@ -25,8 +38,7 @@ struct Case {
     layout: KeyLayout,
     softcap: Option<f32>,
     alibi: bool,
-    /// Keys and values in i8 with a scale per position ([`attend_int8_tile`]).
-    int8: bool,
+    element: Element,
 }
 
 /// A tile's int8 form: `keys`/`values` in the f32 form's layout, and the scales.
@@ -50,6 +62,8 @@ struct StoredTile {
     value_stride: usize,
     count: usize,
     int8: Option<Int8Tile>,
+    /// The keys and values rounded to f16 (NaN padding stays NaN).
+    half: Option<(Vec<f16>, Vec<f16>)>,
 }
 
 impl StoredTile {
@@ -59,17 +73,21 @@ impl StoredTile {
             KeyLayout::Columns => f * self.key_stride + i,
             KeyLayout::Rows => i * self.key_stride + f,
         };
-        match &self.int8 {
-            Some(int8) => f32::from(int8.keys[index]) * int8.key_scales[i],
-            None => self.keys[index],
+        match (&self.int8, &self.half) {
+            (Some(int8), _) => f32::from(int8.keys[index]) * int8.key_scales[i],
+            (None, Some((keys, _))) => keys[index].to_f32(),
+            (None, None) => self.keys[index],
         }
     }
 
     fn value(&self, i: usize, c: usize) -> f32 {
         let index = i * self.value_stride + c;
-        match &self.int8 {
-            Some(int8) => f32::from(int8.values[index]) * int8.value_scales[i * VALUE_SCALE_STRIDE],
-            None => self.values[index],
+        match (&self.int8, &self.half) {
+            (Some(int8), _) => {
+                f32::from(int8.values[index]) * int8.value_scales[i * VALUE_SCALE_STRIDE]
+            }
+            (None, Some((_, values))) => values[index].to_f32(),
+            (None, None) => self.values[index],
         }
     }
 }
@@ -107,7 +125,11 @@ fn stored_tile(case: &Case, count: usize, salt: usize) -> StoredTile {
             *value = f32::NAN;
         }
     }
-    let int8 = case.int8.then(|| Int8Tile {
+    let half = (case.element == Element::F16).then(|| {
+        let rounded = |values: &[f32]| values.iter().map(|&v| f16::from_f32(v)).collect();
+        (rounded(&keys), rounded(&values))
+    });
+    let int8 = (case.element == Element::I8).then(|| Int8Tile {
         keys: as_int8(&spread_values(key_len, salt)),
         values: as_int8(&spread_values(count * value_stride, salt + 11)),
         // Scales that differ by position, larger in later tiles (a new maximum again).
@@ -125,6 +147,7 @@ fn stored_tile(case: &Case, count: usize, salt: usize) -> StoredTile {
         value_stride,
         count,
         int8,
+        half,
     }
 }
 
@@ -191,7 +214,20 @@ fn check(case: &Case) {
                 };
                 attend_int8_tile(&mut row, int8_tile, scales, rule);
             }
-            None => attend_tile(&mut row, key_tile, rule),
+            None => match &tile.half {
+                Some((keys, values)) => {
+                    let half_tile = KeyTile {
+                        keys: keys.as_slice(),
+                        values: values.as_slice(),
+                        key_stride: tile.key_stride,
+                        layout: case.layout,
+                        value_stride: tile.value_stride,
+                        count: tile.count,
+                    };
+                    attend_half_tile(&mut row, half_tile, rule);
+                }
+                None => attend_tile(&mut row, key_tile, rule),
+            },
         }
         first_position += tile.count;
     }
@@ -241,19 +277,19 @@ fn check(case: &Case) {
             assert!(
                 (ours - expected).abs() <= 1e-5 * (1.0 + expected.abs()),
                 "heads {heads}, dim {dim}, value_dim {value_dim}, tiles {:?}, {:?}, softcap \
-                 {:?}, alibi {}, int8 {}: head {head} column {c}: {ours} against {expected}",
+                 {:?}, alibi {}, {:?}: head {head} column {c}: {ours} against {expected}",
                 case.tiles,
                 case.layout,
                 case.softcap,
                 case.alibi,
-                case.int8
+                case.element
             );
         }
     }
 }
 
-/// Every shape of both layouts, in f32 or int8.
-fn matches_for_every_shape(int8: bool) {
+/// Every shape of both layouts, in `element`.
+fn matches_for_every_shape(element: Element) {
     for layout in [KeyLayout::Columns, KeyLayout::Rows] {
         for heads in [1, 3, 4, 5, 8] {
             for (dim, value_dim) in [(1, 8), (16, 16), (17, 40), (64, 64), (32, 80), (64, 100)] {
@@ -266,7 +302,7 @@ fn matches_for_every_shape(int8: bool) {
                         layout,
                         softcap: None,
                         alibi: false,
-                        int8,
+                        element,
                     });
                 }
             }
@@ -276,17 +312,22 @@ fn matches_for_every_shape(int8: bool) {
 
 #[test]
 fn attend_tile_matches_a_softmax_over_all_positions_for_every_shape() {
-    matches_for_every_shape(false);
+    matches_for_every_shape(Element::F32);
+}
+
+#[test]
+fn attend_half_tile_matches_a_softmax_over_the_f16_positions_for_every_shape() {
+    matches_for_every_shape(Element::F16);
 }
 
 #[test]
 fn attend_int8_tile_matches_a_softmax_over_the_dequantized_positions_for_every_shape() {
-    matches_for_every_shape(true);
+    matches_for_every_shape(Element::I8);
 }
 
 #[test]
 fn attend_tile_applies_the_soft_cap_and_alibi_penalty() {
-    for int8 in [false, true] {
+    for element in [Element::F32, Element::F16, Element::I8] {
         for layout in [KeyLayout::Columns, KeyLayout::Rows] {
             for (softcap, alibi) in [(Some(2.0), false), (None, true), (Some(5.0), true)] {
                 for heads in [1, 4, 6] {
@@ -298,7 +339,7 @@ fn attend_tile_applies_the_soft_cap_and_alibi_penalty() {
                         layout,
                         softcap,
                         alibi,
-                        int8,
+                        element,
                     });
                 }
             }
