@@ -44,11 +44,11 @@
 //!
 //! - [`MultiHeadAttentionConfig`] → [`MultiHeadAttention`]; its input [`MhaInput`] (masks,
 //!   causal, segments, [`NeedWeights`], [`AttentionPath`]) and output [`MhaOutput`].
-//! - Decoding: [`KvCache`] (unbounded, fixed, sliding or streaming windows, int8 storage) with
-//!   [`MultiHeadAttention::forward_cached`], and [`CrossAttentionCache`].
-//! - Serving: [`PagedKvCache`] (a bounded pool of blocks for many sequences, forks and shared
-//!   prefixes) with [`MultiHeadAttention::forward_paged`] (a ragged batch of prompts and
-//!   decoding steps in one call, continuous batching).
+//! - Decoding: [`KvCache`] (unbounded, fixed, sliding or streaming windows, f16 or int8
+//!   storage) with [`MultiHeadAttention::forward_cached`], and [`CrossAttentionCache`].
+//! - Serving: [`PagedKvCache`] (a bounded pool of blocks for many sequences, forks, prompt
+//!   prefixes found by their tokens) with [`MultiHeadAttention::forward_paged`] (a ragged batch
+//!   of prompts and decoding steps in one call, continuous batching).
 //! - Positions: [`RopeConfig`] (RoPE) and ALiBi ([`alibi_slopes`]), as configuration fields.
 //! - Layers: [`transformer`] (encoder and decoder layers and stacks with burn-nn's names).
 //! - Interop: [`burn_nn`] (`From` burn-nn's modules), `pytorch` (state dicts, feature
