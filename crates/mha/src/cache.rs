@@ -56,15 +56,23 @@ pub enum CacheStorage {
 /// The largest magnitude f16 holds.
 pub(crate) const HALF_MAX: f32 = 65504.0;
 
-/// The largest magnitude among `tensors` if it is finite and beyond f16's range: what
-/// [`CacheStorage::Half`] refuses to store (as an infinity). `None` when f16 holds them all,
-/// and where one is already infinite or NaN, which f16 keeps as it is (and the attention
-/// propagates, as in f32).
+/// The largest finite magnitude among `tensors` if it is beyond f16's range: what
+/// [`CacheStorage::Half`] refuses to store (as an infinity). `None` when f16 holds every
+/// finite element. Elements already infinite or NaN are left out (f16 keeps them as they are,
+/// and the attention propagates them, as in f32), so that they cannot hide a finite one
+/// beyond the range elsewhere in the step.
 pub(crate) fn beyond_half_range(tensors: [&Tensor<4>; 2]) -> Option<f32> {
     tensors
         .into_iter()
-        .map(|tensor| tensor.clone().abs().max().into_scalar::<f32>())
-        .find(|largest| largest.is_finite() && *largest > HALF_MAX)
+        .map(|tensor| {
+            let magnitudes = tensor.clone().abs();
+            let finite = magnitudes.clone().is_finite();
+            magnitudes
+                .mask_fill(finite.bool_not(), 0.0)
+                .max()
+                .into_scalar::<f32>()
+        })
+        .find(|largest| *largest > HALF_MAX)
 }
 
 /// Whether `device` holds tensors stored as `storage` says (i8 for int8, f16 for half), and

@@ -32,8 +32,9 @@ impl MultiHeadAttention {
     /// # Errors
     ///
     /// [`CacheError`] when the step would exceed a fixed capacity, changes the batch size,
-    /// brings a padding mask of another width, or the cache was filled by another module; the
-    /// cache is then unchanged.
+    /// brings a padding mask of another width, the cache was filled by another module, its
+    /// storage cannot live on the device, or a new key or value is beyond the range of
+    /// [`CacheStorage::Half`]; the cache is then unchanged.
     ///
     /// # Panics
     ///

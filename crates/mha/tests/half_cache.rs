@@ -108,3 +108,84 @@ fn a_backend_without_f16_tensors_refuses_a_half_cache_by_name() {
     );
     assert!(cache.is_empty());
 }
+
+#[test]
+fn an_infinite_row_does_not_hide_another_rows_key_beyond_f16_range() {
+    let device = Device::flex();
+    let _seed = common::seed(&device, 53);
+    let module = module(&device);
+    let mut paged = PagedKvCacheConfig::new(8)
+        .with_storage(CacheStorage::Half)
+        .init();
+    let (a, b) = (paged.add_sequence(), paged.add_sequence());
+    // `a`'s row infinite (stored as it is, as in f32), `b`'s finite but far beyond 65504.
+    let rows = Tensor::cat(
+        vec![
+            Tensor::<2>::full([1, D_MODEL], f32::INFINITY, &device),
+            randn([1, D_MODEL], &device) * 1e6,
+        ],
+        0,
+    );
+    let error = module.forward_paged(rows, &mut paged, &[a, b]).unwrap_err();
+    assert!(
+        matches!(error, PagedCacheError::BeyondHalfRange { largest } if largest.is_finite() && largest > 65504.0),
+        "{error}"
+    );
+    assert_eq!(paged.blocks_in_use(), 0);
+}
+
+/// A 2-layer causal stack whose second layer's attention sees its input scaled by 10^6 (its
+/// norm's gain), so that its keys exceed f16's range while the first layer's do not.
+fn stack_overflowing_in_its_second_layer(device: &Device) -> mha::transformer::TransformerEncoder {
+    let mut stack = common::causal_stack(D_MODEL, device);
+    let norm = &mut stack.layers[1].attention_norm;
+    norm.gamma = norm.gamma.clone().map(|gamma| gamma * 1e6);
+    stack
+}
+
+#[test]
+fn a_stack_refused_by_a_later_layer_leaves_no_layer_holding_the_step() {
+    use mha::transformer::TransformerEncoderInput;
+    let device = Device::flex();
+    let _seed = common::seed(&device, 54);
+    let stack = stack_overflowing_in_its_second_layer(&device);
+    let config = PagedKvCacheConfig::new(16)
+        .with_block_size(4)
+        .with_storage(CacheStorage::Half);
+    let mut paged = stack.new_paged_cache(config);
+    let id = paged.add_sequence();
+    let error = stack
+        .forward_paged(randn([3, D_MODEL], &device), &mut paged, &[id; 3])
+        .unwrap_err();
+    assert!(
+        matches!(error, PagedCacheError::BeyondHalfRange { .. }),
+        "{error}"
+    );
+    // The first layer had stored the step: the sequence left every layer.
+    assert_eq!(paged.len(id), None);
+    assert!(
+        paged
+            .layers()
+            .iter()
+            .all(|layer| layer.blocks_in_use() == 0)
+    );
+
+    let mut cache = stack.new_cache();
+    cache
+        .layers
+        .iter_mut()
+        .for_each(|layer| *layer = KvCache::new().with_storage(CacheStorage::Half));
+    let input = TransformerEncoderInput::new(randn([1, 3, D_MODEL], &device));
+    let error = stack.forward_cached(input, &mut cache).unwrap_err();
+    assert!(
+        matches!(error, CacheError::BeyondHalfRange { .. }),
+        "{error}"
+    );
+    assert!(cache.layers.iter().all(KvCache::is_empty));
+    assert!(
+        cache
+            .layers
+            .iter()
+            .all(|layer| layer.storage() == CacheStorage::Half)
+    );
+}

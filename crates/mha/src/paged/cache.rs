@@ -705,8 +705,13 @@ impl PagedKvCache {
         };
         let partial_block =
             (!past.is_multiple_of(block_size) && new > 0).then(|| table.blocks[past / block_size]);
-        let shared_partial_block = partial_block
-            .filter(|&block| self.refcounts[block] - copied.get(&block).copied().unwrap_or(0) > 1);
+        // A partial block is copied before the write if another sequence still refers to it,
+        // or if it is filed (whole for the sequence it was forked from, which may have left):
+        // a filed block's positions must stay what its tokens say.
+        let shared_partial_block = partial_block.filter(|&block| {
+            self.refcounts[block] - copied.get(&block).copied().unwrap_or(0) > 1
+                || self.prefixes.is_filed(block)
+        });
         let new_blocks = planned.table.len.div_ceil(block_size) - table.blocks.len();
         planned.needed = new_blocks + usize::from(shared_partial_block.is_some());
         if let Some(from) = shared_partial_block {

@@ -171,7 +171,7 @@ native_paged_attention_backend!(burn::backend::NdArray);
 
 /// The context heads `[1, n_heads, rows, head_dim]` of `sequences` (of the step's rows; the
 /// other rows are zeros) computed through the block tables, where the native kernel takes the
-/// step: flex or ndarray outside autodiff, f32, float or int8 storage, no appended key
+/// step: flex or ndarray outside autodiff, f32, float, f16 or int8 storage, no appended key
 /// positions. `None` elsewhere.
 pub(crate) fn native_paged_attention(
     module: &MultiHeadAttention,

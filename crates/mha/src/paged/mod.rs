@@ -9,7 +9,7 @@
 //!   (sharing, copy-on-write), and the checks that refuse a step before it changes anything;
 //! - `prefix.rs`: whole blocks filed by the tokens they hold, so that a prompt starting with
 //!   tokens the cache holds shares their blocks (prefix caching);
-//! - `store.rs`: the blocks themselves, as tensors (float or int8);
+//! - `store.rs`: the blocks themselves, as tensors (float, f16 or int8);
 //! - `step.rs`: the step — projections, RoPE at each row's position, the writes, and the
 //!   attention through tensor ops on any backend;
 //! - `cpu.rs`: the attention read through the block tables in place on flex and ndarray.

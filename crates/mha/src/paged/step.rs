@@ -30,8 +30,8 @@ impl MultiHeadAttention {
     /// Every sequence gets the outputs [`forward_cached`](Self::forward_cached) gives it alone
     /// with a [`KvCache`](crate::KvCache) of the same storage and `.causal()`.
     ///
-    /// On flex and ndarray (f32, float storage, no `add_bias_kv`/`add_zero_attn`, outside
-    /// autodiff) a native kernel reads the keys and values of each sequence with at most 16 rows
+    /// On flex and ndarray (an f32 module, float, f16 (flex) or int8 storage, no
+    /// `add_bias_kv`/`add_zero_attn`, outside autodiff) a native kernel reads the keys and values of each sequence with at most 16 rows
     /// in the step (a decoding step, a short continuation) through its block table in place.
     /// Elsewhere, and for longer runs of rows (a prompt, whose many queries the matrix products
     /// of the flash kernel serve better), a sequence's blocks are gathered into a contiguous
@@ -47,8 +47,9 @@ impl MultiHeadAttention {
     /// # Errors
     ///
     /// [`PagedCacheError`] when the pool has too few free blocks for the step, a sequence is
-    /// not in the cache, its storage cannot live on the device, or the cache was filled by
-    /// another module; the cache is then unchanged.
+    /// not in the cache, its storage cannot live on the device, the cache was filled by
+    /// another module, or a new key or value is beyond the range of
+    /// [`CacheStorage::Half`](crate::CacheStorage); the cache is then unchanged.
     ///
     /// # Panics
     ///

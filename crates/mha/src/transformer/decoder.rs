@@ -372,7 +372,10 @@ impl TransformerDecoder {
     /// cross-attention to the memory, projected at the first step and reused after (the
     /// memory of later steps is not read again). Feeding a target in any steps gives what
     /// [`forward`](Self::forward) gives for the whole of it. A step is refused by the first
-    /// layer or not at all, and a refused step leaves the cache as it was.
+    /// layer or not at all, and a refused step leaves the cache as it was; but for
+    /// [`CacheStorage::Half`](crate::CacheStorage)'s range ([`CacheError::BeyondHalfRange`]),
+    /// which a later layer's keys may exceed after the layers before it cached the step: then
+    /// the cache is emptied (self-attention and memory).
     ///
     /// # Shapes
     ///
@@ -403,20 +406,28 @@ impl TransformerDecoder {
             self.layers.len()
         );
         let mut x = input.target.clone();
-        let layers = self
-            .layers
-            .iter()
-            .zip(&mut cache.self_attention)
-            .zip(&mut cache.memory);
-        for ((layer, self_cache), slot) in layers {
-            let projected_before = slot.is_some();
-            let memory = slot.take().unwrap_or_else(|| layer.project_memory(&input));
-            let output = layer.forward_cached(x, &input, self_cache, &memory);
+        for (index, layer) in self.layers.iter().enumerate() {
+            let projected_before = cache.memory[index].is_some();
+            let memory = cache.memory[index]
+                .take()
+                .unwrap_or_else(|| layer.project_memory(&input));
+            let output = layer.forward_cached(x, &input, &mut cache.self_attention[index], &memory);
             // A refused first step keeps no projected memory either.
             if projected_before || output.is_ok() {
-                *slot = Some(memory);
+                cache.memory[index] = Some(memory);
             }
-            x = output?;
+            match output {
+                Ok(output) => x = output,
+                Err(error) => {
+                    // Only f16's range refusal comes from a later layer; the layers before it
+                    // cached the step, so every layer's cache is emptied to stay in step.
+                    if index > 0 {
+                        cache.self_attention.iter_mut().for_each(KvCache::reset);
+                        cache.memory.iter_mut().for_each(|slot| *slot = None);
+                    }
+                    return Err(error);
+                }
+            }
         }
         Ok(x)
     }

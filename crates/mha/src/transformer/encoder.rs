@@ -323,7 +323,10 @@ impl TransformerEncoder {
     /// attends to its cached positions and the new ones, and caches the new ones. Feeding a
     /// sequence in any steps gives what [`forward`](Self::forward) gives for the whole of it.
     /// Every layer's cache holds the same positions, so a step is refused by the first layer
-    /// or not at all, and a refused step leaves the cache as it was.
+    /// or not at all, and a refused step leaves the cache as it was; but for
+    /// [`CacheStorage::Half`](crate::CacheStorage)'s range ([`CacheError::BeyondHalfRange`]),
+    /// which a later layer's keys may exceed after the layers before it cached the step: then
+    /// every layer's cache is emptied ([`KvCache::reset`]).
     ///
     /// # Shapes
     ///
@@ -354,8 +357,18 @@ impl TransformerEncoder {
             self.layers.len()
         );
         let mut x = input.tensor.clone();
-        for (layer, layer_cache) in self.layers.iter().zip(&mut cache.layers) {
-            x = layer.forward_cached(x, &input, layer_cache)?;
+        for (index, layer) in self.layers.iter().enumerate() {
+            match layer.forward_cached(x, &input, &mut cache.layers[index]) {
+                Ok(output) => x = output,
+                Err(error) => {
+                    // Only f16's range refusal comes from a later layer; the layers before it
+                    // cached the step, so every layer is emptied to stay in step.
+                    if index > 0 {
+                        cache.layers.iter_mut().for_each(KvCache::reset);
+                    }
+                    return Err(error);
+                }
+            }
         }
         Ok(x)
     }

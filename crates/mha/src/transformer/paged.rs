@@ -201,7 +201,10 @@ impl TransformerEncoder {
     /// position of `sequences[i]` (each sequence's rows consecutive), and every sequence gets
     /// what [`forward_cached`](Self::forward_cached) gives it alone. Every layer's cache holds
     /// the same sequences, so a step is refused by the first layer or not at all, and a refused
-    /// step leaves the cache as it was.
+    /// step leaves the cache as it was; but for [`CacheStorage::Half`](crate::CacheStorage)'s
+    /// range ([`PagedCacheError::BeyondHalfRange`]), which a later layer's keys may exceed
+    /// after the layers before it stored the step: then the step's sequences are removed from
+    /// every layer.
     ///
     /// # Shapes
     ///
@@ -236,8 +239,24 @@ impl TransformerEncoder {
             self.layers.len()
         );
         let mut x = input;
-        for (layer, layer_cache) in self.layers.iter().zip(&mut cache.layers) {
-            x = layer.forward_paged(x, layer_cache, sequences)?;
+        for (index, layer) in self.layers.iter().enumerate() {
+            match layer.forward_paged(x, &mut cache.layers[index], sequences) {
+                Ok(output) => x = output,
+                Err(error) => {
+                    if index > 0 {
+                        // Only f16's range refusal comes from a later layer (the others come
+                        // from the first, as every layer holds the same sequences); the layers
+                        // before it stored the step. The step's sequences leave every layer, so
+                        // that the layers stay in step.
+                        let mut ids = sequences.to_vec();
+                        ids.dedup();
+                        for id in ids {
+                            cache.remove_sequence(id)?;
+                        }
+                    }
+                    return Err(error);
+                }
+            }
         }
         Ok(x)
     }

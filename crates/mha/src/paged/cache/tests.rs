@@ -213,3 +213,24 @@ fn forks_share_blocks_until_a_write_copies_the_partial_one() {
         })
     );
 }
+
+#[test]
+fn a_fork_writing_into_a_filed_block_copies_it_even_as_its_only_holder() {
+    let owner = owner();
+    let mut cache = PagedKvCacheConfig::new(8).with_block_size(4).init();
+    let prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9];
+    let a = cache.add_sequence_with_prompt(&prompt);
+    step(&mut cache, owner, &[a.id], &[9]).unwrap();
+    // The fork's second block is partial for it, whole and filed for `a`.
+    let fork = cache.fork_prefix(a.id, 5).unwrap();
+    cache.remove_sequence(a.id).unwrap();
+    let filed = cache.table(fork).unwrap().blocks[1];
+    step(&mut cache, owner, &[fork], &[1]).unwrap();
+    assert_ne!(
+        cache.table(fork).unwrap().blocks[1],
+        filed,
+        "written in place"
+    );
+    // The filed block still holds `a`'s positions, and a prompt still shares it.
+    assert_eq!(cache.add_sequence_with_prompt(&prompt).cached, 8);
+}
