@@ -13,6 +13,10 @@ use super::prefix::{PrefixIndex, Token, TokenRecord};
 use super::store::{BlockLayout, BlockStore};
 use crate::cache::{CacheOwner, CacheStorage, storage_unsupported};
 
+mod error;
+
+pub use error::PagedCacheError;
+
 /// One sequence of a [`PagedKvCache`], as [`PagedKvCache::add_sequence`] and
 /// [`PagedKvCache::fork`] hand it out. Ids are never reused by a cache; an id names a sequence
 /// of the cache that made it (another cache may have a sequence of the same number).
@@ -104,90 +108,6 @@ impl PagedKvCacheConfig {
         }
     }
 }
-
-/// Why a paged step or a sequence operation was refused. The cache is left unchanged.
-#[derive(Debug, Clone, PartialEq)]
-pub enum PagedCacheError {
-    /// The pool has too few free blocks for the step: no sequence's state was touched.
-    PoolFull {
-        /// The first sequence of the step whose blocks did not fit.
-        sequence: SequenceId,
-        /// Blocks the whole step needs.
-        needed: usize,
-        /// Blocks free now, counting those the pool may still grow by.
-        free: usize,
-    },
-    /// The id is not (or no longer) a sequence of this cache.
-    UnknownSequence(SequenceId),
-    /// [`PagedKvCache::fork_prefix`] asked for more positions than the sequence holds.
-    PrefixTooLong {
-        /// The sequence forked.
-        sequence: SequenceId,
-        /// Positions asked for.
-        prefix: usize,
-        /// Positions it holds.
-        len: usize,
-    },
-    /// The cache's storage cannot live on this device (int8 where the backend has no i8, f16
-    /// where it has no f16).
-    Storage {
-        /// What the device lacks.
-        reason: String,
-    },
-    /// A new key or value of the step is beyond f16's range (±65504), which
-    /// [`CacheStorage::Half`] would store as an infinity.
-    BeyondHalfRange {
-        /// The largest magnitude among the step's new keys and values.
-        largest: f32,
-    },
-    /// The cache holds keys and values of another attention module.
-    OtherModule {
-        /// The module that filled the cache.
-        cached: CacheOwner,
-        /// The module of this step.
-        module: CacheOwner,
-    },
-}
-
-impl fmt::Display for PagedCacheError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Self::PoolFull {
-                sequence,
-                needed,
-                free,
-            } => write!(
-                f,
-                "paged KV cache full: the step needs {needed} blocks ({sequence} did not fit), \
-                 {free} are free; remove finished sequences or make the pool larger"
-            ),
-            Self::UnknownSequence(id) => {
-                write!(f, "paged KV cache: {id} is not a sequence of this cache")
-            }
-            Self::PrefixTooLong {
-                sequence,
-                prefix,
-                len,
-            } => write!(
-                f,
-                "paged KV cache: a prefix of {prefix} positions of {sequence}, which holds {len}"
-            ),
-            Self::Storage { reason } => write!(f, "paged KV cache storage: {reason}"),
-            Self::BeyondHalfRange { largest } => write!(
-                f,
-                "paged KV cache: a new key or value of magnitude {largest} is beyond f16's range \
-                 (65504), which CacheStorage::Half cannot hold; use CacheStorage::Float"
-            ),
-            Self::OtherModule { cached, module } => write!(
-                f,
-                "paged KV cache filled by another attention module ({cached}) than this step's \
-                 ({module}); each layer needs its own cache"
-            ),
-        }
-    }
-}
-
-impl core::error::Error for PagedCacheError {}
 
 /// Keys and values of many sequences in one bounded pool of blocks of `block_size` positions
 /// (values `[blocks, n_kv_heads, block_size, head_dim]`, keys feature-major, `[blocks,
@@ -389,8 +309,7 @@ impl PagedKvCache {
     /// Sharing is sound only if every sequence told its tokens is fed, row by row, what those
     /// tokens give, through the same weights: the cache compares tokens, not keys.
     pub fn add_sequence_with_prompt(&mut self, prompt: &[Token]) -> PromptMatch {
-        let blocks = self.matched_blocks(prompt);
-        self.add_sequence_matching(prompt, blocks)
+        self.add_sequence_matching(prompt, usize::MAX)
     }
 
     /// Tells the cache the tokens of `id`'s next positions, from the first it was not told
@@ -417,15 +336,27 @@ impl PagedKvCache {
     /// Whole blocks of `prompt` the cache holds, at most all but its last token's.
     pub(crate) fn matched_blocks(&self, prompt: &[Token]) -> usize {
         let block_size = self.config.block_size;
-        let limit = prompt.len().saturating_sub(1) / block_size;
-        self.prefixes.matching(prompt, block_size, limit).len()
+        self.prefixes
+            .matching(
+                prompt,
+                block_size,
+                Self::prompt_block_limit(prompt, block_size),
+            )
+            .len()
     }
 
-    /// [`add_sequence_with_prompt`](Self::add_sequence_with_prompt) sharing `prompt`'s first
-    /// `blocks` whole blocks, at most those [`matched_blocks`](Self::matched_blocks) counts.
+    /// The most whole blocks of `prompt` a sequence may share: all but its last token's, so
+    /// that a step computes at least that token.
+    fn prompt_block_limit(prompt: &[Token], block_size: usize) -> usize {
+        prompt.len().saturating_sub(1) / block_size
+    }
+
+    /// [`add_sequence_with_prompt`](Self::add_sequence_with_prompt) sharing at most `blocks`
+    /// of `prompt`'s whole blocks (the fewest any layer of a stack holds).
     pub(crate) fn add_sequence_matching(&mut self, prompt: &[Token], blocks: usize) -> PromptMatch {
         let block_size = self.config.block_size;
-        let matched = self.prefixes.matching(prompt, block_size, blocks);
+        let limit = blocks.min(Self::prompt_block_limit(prompt, block_size));
+        let matched = self.prefixes.matching(prompt, block_size, limit);
         for block in matched.iter().map(|matched| matched.block) {
             if self.refcounts[block] == 0 {
                 let filed = &mut self.free.filed;

@@ -1,0 +1,104 @@
+//! How a cache holds keys and values ([`CacheStorage`]): f16's range check, int8's
+//! quantization, and the conversions back to the module's float type. Shared by
+//! [`KvCache`](super::KvCache) and the paged cache's block stores.
+
+use burn::tensor::{DType, Device, FloatDType, Int, IntDType, Tensor};
+
+/// How a [`KvCache`](super::KvCache) stores keys and values.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum CacheStorage {
+    /// In the module's float type (the default).
+    #[default]
+    Float,
+    /// int8, with one f32 scale per position and head (`max |x| / 127`), dequantized for each
+    /// step's attention: 1 + 4 / head_dim bytes per element instead of 4 (3.76 times as many
+    /// positions in the same memory at a head width of 64). The step's own new keys are used
+    /// unquantized.
+    Int8,
+    /// f16 (IEEE half precision): half the bytes of f32, a relative rounding of at most
+    /// 2^-11 per element. A step whose new keys or values reach beyond f16's range (±65504)
+    /// is refused ([`CacheError::BeyondHalfRange`](super::CacheError::BeyondHalfRange)), not
+    /// stored as infinities. `KvCache` converts all of it to the module's type at every step
+    /// (slower than float storage, as int8 is); `PagedKvCache` reads it in place on flex.
+    /// Where the module's float type is f16 already, the same as [`CacheStorage::Float`].
+    /// Backends without f16 tensors (ndarray) refuse it.
+    Half,
+}
+
+/// The largest magnitude f16 holds.
+pub(crate) const HALF_MAX: f32 = 65504.0;
+
+/// The largest finite magnitude among `tensors` if it is beyond f16's range: what
+/// [`CacheStorage::Half`] refuses to store (as an infinity). `None` when f16 holds every
+/// finite element. Elements already infinite or NaN are left out (f16 keeps them as they are,
+/// and the attention propagates them, as in f32), so that they cannot hide a finite one
+/// beyond the range elsewhere in the step.
+pub(crate) fn beyond_half_range(tensors: [&Tensor<4>; 2]) -> Option<f32> {
+    tensors
+        .into_iter()
+        .map(|tensor| {
+            let magnitudes = tensor.clone().abs();
+            let finite = magnitudes.clone().is_finite();
+            magnitudes
+                .mask_fill(finite.bool_not(), 0.0)
+                .max()
+                .into_scalar::<f32>()
+        })
+        .find(|largest| *largest > HALF_MAX)
+}
+
+/// Whether `device` holds tensors stored as `storage` says (i8 for int8, f16 for half), and
+/// if not, why.
+pub(crate) fn storage_unsupported(storage: CacheStorage, device: &Device) -> Option<String> {
+    let (dtype, name) = match storage {
+        CacheStorage::Float => return None,
+        CacheStorage::Int8 => (DType::I8, "i8"),
+        CacheStorage::Half => (DType::F16, "f16"),
+    };
+    (!device.supports_dtype(dtype))
+        .then(|| format!("{device:?} has no {name} tensors; use CacheStorage::Float"))
+}
+
+/// `tensor` in `dtype`, converted only if it is in another.
+pub(crate) fn in_dtype(tensor: Tensor<4>, dtype: DType) -> Tensor<4> {
+    if tensor.dtype() == dtype {
+        tensor
+    } else {
+        tensor.cast(dtype)
+    }
+}
+
+/// Keys or values in int8: `values` in i8 and one scale per position and head.
+pub(crate) struct Quantized {
+    /// `[batch, heads, positions, dim]`, i8.
+    pub values: Tensor<4, Int>,
+    /// `[batch, heads, positions, 1]`: `max |x| / 127` of each position's row, in the input's
+    /// float type.
+    pub scales: Tensor<4>,
+}
+
+/// `tensor` (`[batch, heads, positions, dim]`, detached) in int8, each row scaled by its own
+/// `max |x| / 127`: what [`CacheStorage::Int8`] stores.
+pub(crate) fn quantize_int8(tensor: Tensor<4>) -> Quantized {
+    let tensor = tensor.detach();
+    let scales = tensor
+        .clone()
+        .abs()
+        .max_dim(3)
+        .div_scalar(127.0)
+        .clamp_min(f32::MIN_POSITIVE);
+    let values = (tensor / scales.clone())
+        .round()
+        .clamp(-127.0, 127.0)
+        .cast(IntDType::I8);
+    Quantized { values, scales }
+}
+
+/// `quantized` back in floats of `dtype`.
+pub(crate) fn dequantize_int8(
+    values: Tensor<4, Int>,
+    scales: Tensor<4>,
+    dtype: DType,
+) -> Tensor<4> {
+    values.cast(FloatDType::from(dtype)) * scales.cast(dtype)
+}
