@@ -447,10 +447,25 @@ pub(crate) fn prefetch<T>(values: &[T], len: usize) {
     }
 }
 
+/// Asks the CPU for the cache line at `address`, into L2: a request for L1 holds one of the
+/// few L1 fill buffers until its line arrives, and the loads of the work under way wait for
+/// them (a tile streamed from memory through [`Ahead`] took 10-25% longer with L1 requests on
+/// an Intel Xeon).
+#[inline(always)]
+pub(crate) fn prefetch_line(address: *const u8) {
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = address;
+    // SAFETY: a prefetch reads no value and never faults, whatever the address.
+    #[cfg(target_arch = "x86_64")]
+    unsafe {
+        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(address.cast())
+    };
+}
+
 mod online;
 pub(crate) use online::{
-    KeyLayout, KeyTile, LogitRule, OnlineRow, TileScales, attend_half_tile, attend_int8_tile,
-    attend_tile,
+    Ahead, KeyLayout, KeyTile, LogitRule, OnlineRow, TileScales, attend_half_tile,
+    attend_int8_tile, attend_tile,
 };
 
 #[cfg(test)]

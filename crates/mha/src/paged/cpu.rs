@@ -562,6 +562,17 @@ enum Tile<'a> {
     Int8(simd::KeyTile<'a, i8>, simd::TileScales<'a>),
 }
 
+impl<'a> Tile<'a> {
+    /// The tile's keys and values, for the tile computed before it to ask the CPU for.
+    fn ahead(&self) -> Option<simd::Ahead<'a>> {
+        match self {
+            Tile::Float(tile) => simd::Ahead::of(tile),
+            Tile::Half(tile) => simd::Ahead::of(tile),
+            Tile::Int8(tile, _) => simd::Ahead::of(tile),
+        }
+    }
+}
+
 /// `count` positions of a stored block from `offset` on, of one key/value head.
 #[derive(Clone, Copy)]
 struct BlockPart {
@@ -654,10 +665,12 @@ fn tile<'a>(
     }
 }
 
-/// Chunks a task asks the CPU for ahead of the one it computes: a block's keys and values
-/// are a few KiB each, and the hardware prefetchers do not follow the block table from one to
-/// the next (at 32 sequences of 128-4096 positions the step took about 40% longer without).
-const PREFETCH_CHUNKS: usize = 2;
+/// Tiles ahead (in a row's order: chunk by chunk, key/value head by key/value head within a
+/// chunk) of the one it computes whose keys and values a task asks the CPU for, line by line as
+/// it computes (see [`simd::Ahead`]): a block's keys and values are a few KiB each, and the
+/// hardware prefetchers do not follow the block table from one to the next (at 32 sequences of
+/// 128-4096 positions the step took about 40% longer without).
+const PREFETCH_TILES: usize = 2;
 
 /// The outputs of `sequence`'s rows, `[rows, n_heads, head_dim]`: row by row, chunk by chunk
 /// of its keys (a block at most), every key/value head in turn within a chunk, so that the task
@@ -710,12 +723,12 @@ fn sequence_output(
             row_chunks.push(chunk);
         }
         for (index, chunk) in row_chunks.iter().enumerate() {
-            let ahead = (index + PREFETCH_CHUNKS) * n_kv_heads;
-            for tile in row_tiles.get(ahead..ahead + n_kv_heads).unwrap_or(&[]) {
-                prefetch(tile, head_dim);
-            }
-            let chunk_tiles = &row_tiles[index * n_kv_heads..][..n_kv_heads];
-            for (kv_head, tile) in chunk_tiles.iter().enumerate() {
+            for kv_head in 0..n_kv_heads {
+                let tile = index * n_kv_heads + kv_head;
+                let ahead = row_tiles.get(tile + PREFETCH_TILES);
+                if let Some(ahead) = ahead {
+                    prefetch_scales(ahead);
+                }
                 let heads = kv_head * group..(kv_head + 1) * group;
                 let features = heads.start * head_dim..heads.end * head_dim;
                 let mut online = simd::OnlineRow {
@@ -723,13 +736,14 @@ fn sequence_output(
                     outputs: &mut outputs[features],
                     maxima: &mut maxima[heads.clone()],
                     sums: &mut sums[heads.clone()],
+                    ahead: ahead.and_then(Tile::ahead),
                 };
                 let rule = simd::LogitRule {
                     softcap: params.softcap,
                     alibi: params.alibi.as_ref().map(|slopes| &slopes[heads.clone()]),
                     first_distance: position - chunk.positions.start,
                 };
-                match *tile {
+                match row_tiles[tile] {
                     Tile::Float(tile) => simd::attend_tile(&mut online, tile, rule),
                     Tile::Half(tile) => simd::attend_half_tile(&mut online, tile, rule),
                     Tile::Int8(tile, scales) => {
@@ -743,24 +757,12 @@ fn sequence_output(
     output
 }
 
-/// Asks the CPU for `tile`'s keys (of `dim` features), values and scales.
-fn prefetch(tile: &Tile, dim: usize) {
-    fn elements<E>(tile: &simd::KeyTile<E>, dim: usize) {
-        let keys = match tile.layout {
-            simd::KeyLayout::Columns => dim * tile.key_stride,
-            simd::KeyLayout::Rows => tile.count * tile.key_stride,
-        };
-        simd::prefetch(tile.keys, keys);
-        simd::prefetch(tile.values, tile.count * tile.value_stride);
-    }
-    match tile {
-        Tile::Float(tile) => elements(tile, dim),
-        Tile::Half(tile) => elements(tile, dim),
-        Tile::Int8(tile, scales) => {
-            elements(tile, dim);
-            simd::prefetch(scales.keys, tile.count * scales.key_stride);
-            simd::prefetch(scales.values, tile.count * scales.value_stride);
-        }
+/// Asks the CPU for an int8 tile's scales (a line or two; its keys and values are asked for
+/// by the tile computed before it, through [`Tile::ahead`]).
+fn prefetch_scales(tile: &Tile) {
+    if let Tile::Int8(tile, scales) = tile {
+        simd::prefetch(scales.keys, tile.count * scales.key_stride);
+        simd::prefetch(scales.values, tile.count * scales.value_stride);
     }
 }
 

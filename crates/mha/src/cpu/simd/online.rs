@@ -12,6 +12,8 @@
 // registers: iterators over them made the compiler keep them on the stack.
 #![allow(clippy::needless_range_loop)]
 
+use std::marker::PhantomData;
+
 use super::{LANES, NATIVE_FMA, VALUE_COLUMNS, exp, flushed_exp, lane_sum, mul_add, tanh};
 
 /// Query heads a tile's loops take at once: four rows of sixteen scores, and four rows of
@@ -114,6 +116,87 @@ pub(crate) struct LogitRule<'a> {
     pub first_distance: usize,
 }
 
+/// A tile that the caller reads after this one, which this tile's loops ask the CPU for as
+/// they go, a cache line per key feature and per value row: asked for all at once (a block's
+/// keys and values are a few KiB per head), the requests filled the core's miss buffers and the
+/// loops waited behind them.
+///
+/// It holds addresses, not slices: a prefetch reads nothing and never faults, and every line
+/// asked for lies inside the tile it was made from.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Ahead<'a> {
+    /// Feature-major keys: feature `f` of position `i` at element `f · key_stride + i`.
+    keys: *const u8,
+    key_bytes: usize,
+    key_stride: usize,
+    /// Position `i`'s value at element `i · value_stride`.
+    values: *const u8,
+    value_bytes: usize,
+    value_stride: usize,
+    /// Bytes per element.
+    element: usize,
+    /// Positions in the tile.
+    count: usize,
+    tile: PhantomData<&'a [u8]>,
+}
+
+impl<'a> Ahead<'a> {
+    /// `tile`'s memory, if its keys are feature-major (a stored block; a step's new rows,
+    /// position-major, were just written and are in cache).
+    pub(crate) fn of<E: TileElement>(tile: &KeyTile<'a, E>) -> Option<Self> {
+        (tile.layout == KeyLayout::Columns).then(|| Ahead {
+            keys: tile.keys.as_ptr().cast(),
+            key_bytes: std::mem::size_of_val(tile.keys),
+            key_stride: tile.key_stride,
+            values: tile.values.as_ptr().cast(),
+            value_bytes: std::mem::size_of_val(tile.values),
+            value_stride: tile.value_stride,
+            element: std::mem::size_of::<E>(),
+            count: tile.count,
+            tile: PhantomData,
+        })
+    }
+
+    /// The byte offset of feature `feature`'s key at position `position`, if the tile has it.
+    fn key_offset(&self, feature: usize, position: usize) -> Option<usize> {
+        let offset = (feature * self.key_stride + position) * self.element;
+        (position < self.count && offset < self.key_bytes).then_some(offset)
+    }
+
+    /// The byte offsets of the cache lines of position `position`'s value (`value_dim` wide),
+    /// if the tile has it.
+    fn value_lines(&self, position: usize, value_dim: usize) -> impl Iterator<Item = usize> {
+        let start = position * self.value_stride * self.element;
+        let end = (start + value_dim * self.element).min(self.value_bytes);
+        let lines = if position < self.count {
+            start..end
+        } else {
+            0..0
+        };
+        lines.step_by(CACHE_LINE)
+    }
+
+    /// Asks for the line of feature `feature`'s keys from position `position` on (16 positions
+    /// of f32 fill a line).
+    #[inline(always)]
+    fn key_line(&self, feature: usize, position: usize) {
+        if let Some(offset) = self.key_offset(feature, position) {
+            super::prefetch_line(self.keys.wrapping_add(offset));
+        }
+    }
+
+    /// Asks for the lines of position `position`'s value.
+    #[inline(always)]
+    fn value_row(&self, position: usize, value_dim: usize) {
+        for offset in self.value_lines(position, value_dim) {
+            super::prefetch_line(self.values.wrapping_add(offset));
+        }
+    }
+}
+
+/// Bytes in a cache line.
+const CACHE_LINE: usize = 64;
+
 /// A query row of the query heads of one key/value head, its online softmax under way.
 #[derive(Debug)]
 pub(crate) struct OnlineRow<'a> {
@@ -125,6 +208,8 @@ pub(crate) struct OnlineRow<'a> {
     pub maxima: &'a mut [f32],
     /// Each head's sum of `e^(logit - max)` so far.
     pub sums: &'a mut [f32],
+    /// The tile the caller attends to next, asked for while this one computes.
+    pub ahead: Option<Ahead<'a>>,
 }
 
 /// Adds `tile`'s positions to `row`: for each query head, its logits, the rescale of its
@@ -327,8 +412,10 @@ fn attend_part<const FMA: bool, E: TileElement>(
     rule: &LogitRule,
     part: TilePart,
 ) {
+    // The next tile asked for once per part of its positions (by the part of the first heads).
+    let ahead = row.ahead.filter(|_| part.head == 0);
     let mut logits = if part.lanes == LANES && tile.layout == KeyLayout::Columns {
-        column_scores::<FMA, E>(row.queries, tile, part)
+        column_scores::<FMA, E>(row.queries, tile, part, ahead.as_ref())
     } else {
         any_scores::<FMA, E>(row.queries, tile, part)
     };
@@ -384,6 +471,11 @@ fn attend_part<const FMA: bool, E: TileElement>(
             }
         }
     }
+    if let Some(ahead) = &ahead {
+        for lane in 0..part.lanes {
+            ahead.value_row(part.first + lane, part.value_dim);
+        }
+    }
     weighted_values::<FMA, E>(row.outputs, tile, part, &logits, &corrections);
 }
 
@@ -402,10 +494,14 @@ fn column_scores<const FMA: bool, E: TileElement>(
     queries: &[f32],
     tile: &KeyTile<E>,
     part: TilePart,
+    ahead: Option<&Ahead>,
 ) -> [[f32; LANES]; HEADS] {
     let query = part_queries(queries, part);
     let mut sums = [[0.0f32; LANES]; HEADS];
     for feature in 0..part.dim {
+        if let Some(ahead) = ahead {
+            ahead.key_line(feature, part.first);
+        }
         let start = feature * tile.key_stride + part.first;
         let keys: &[E; LANES] = tile.keys[start..start + LANES]
             .try_into()
@@ -621,7 +717,12 @@ mod avx512 {
             let keys = tile.keys.as_ptr().add(part.first);
             let queries: [*const f32; HEADS] =
                 std::array::from_fn(|h| row.queries.as_ptr().add(head_of(h) * dim));
+            // The next tile's keys, once per part of its positions (by its first heads).
+            let ahead = row.ahead.filter(|_| part.head == 0);
             for feature in 0..dim {
+                if let Some(ahead) = &ahead {
+                    ahead.key_line(feature, part.first);
+                }
                 let key = load(keys.add(feature * tile.key_stride), lanes);
                 for h in 0..HEADS {
                     let query = _mm512_set1_ps(*queries[h].add(feature));
@@ -698,8 +799,13 @@ mod avx512 {
                 .values
                 .as_ptr()
                 .add(part.first * tile.value_stride + start);
+            // The next tile's value rows, once per part (at its first columns).
+            let ahead = row.ahead.filter(|_| part.head == 0 && start == 0);
             for lane in 0..part.lanes {
                 let value_row = values.add(lane * tile.value_stride);
+                if let Some(ahead) = &ahead {
+                    ahead.value_row(part.first + lane, part.value_dim);
+                }
                 for v in 0..VECTORS {
                     let value = load(value_row.add(v * LANES), u16::MAX);
                     for h in 0..HEADS {

@@ -182,6 +182,7 @@ fn check(case: &Case) {
             outputs: &mut outputs,
             maxima: &mut maxima,
             sums: &mut sums,
+            ahead: None,
         };
         let key_tile = KeyTile {
             keys: &tile.keys,
@@ -379,6 +380,7 @@ impl RowBuffers {
             outputs: &mut self.outputs,
             maxima: &mut self.maxima,
             sums: &mut self.sums,
+            ahead: None,
         }
     }
 }
@@ -441,4 +443,94 @@ fn attend_tile_refuses_queries_that_are_not_whole_heads() {
     // Five queries do not make two heads.
     let mut buffers = RowBuffers::new(5, 4, 2);
     attend_tile(&mut buffers.row(), columns_tile(&[], &[], 0), PLAIN);
+}
+
+/// The lines (64-byte pieces from the tile's start) [`Ahead`] asks for when the parts of a tile
+/// of `count` positions go through it as `attend_part` does: a key line per feature per part of
+/// 16 positions, the value lines of each position.
+fn lines_asked_for(ahead: &Ahead, dim: usize, value_dim: usize, count: usize) -> [Vec<usize>; 2] {
+    let mut keys = Vec::new();
+    let mut values = Vec::new();
+    for first in (0..count).step_by(LANES) {
+        for feature in 0..dim {
+            keys.extend(ahead.key_offset(feature, first));
+        }
+        for position in first..(first + LANES).min(count) {
+            values.extend(ahead.value_lines(position, value_dim));
+        }
+    }
+    [keys, values].map(|offsets| {
+        let mut lines: Vec<usize> = offsets.iter().map(|offset| offset / CACHE_LINE).collect();
+        lines.sort_unstable();
+        lines.dedup();
+        lines
+    })
+}
+
+/// The [`Ahead`] of the first `count` positions of a paged block: feature-major keys of
+/// `block_size` positions, values `value_dim` wide.
+fn block_ahead<'a, E: TileElement>(
+    keys: &'a [E],
+    values: &'a [E],
+    [block_size, value_dim]: [usize; 2],
+    count: usize,
+) -> Ahead<'a> {
+    let tile = KeyTile {
+        keys,
+        key_stride: block_size,
+        layout: KeyLayout::Columns,
+        values,
+        value_stride: value_dim,
+        count,
+    };
+    Ahead::of(&tile).expect("feature-major keys")
+}
+
+/// A stored block whose feature rows and value rows are whole lines, as the pool's are, of
+/// `E` (`block_size` positions of 64 bytes per feature): every line of its keys and values is
+/// asked for, and nothing else.
+fn every_line_of_a_block<E: TileElement>(zero: E) {
+    let element = std::mem::size_of::<E>();
+    let (dim, block_size, value_dim) = (8, CACHE_LINE / element, 2 * CACHE_LINE / element);
+    let keys = vec![zero; dim * block_size];
+    let values = vec![zero; block_size * value_dim];
+    let ahead = block_ahead(&keys, &values, [block_size, value_dim], block_size);
+    let lines = lines_asked_for(&ahead, dim, value_dim, block_size);
+    let whole = |elements: usize| (0..elements * element / CACHE_LINE).collect::<Vec<_>>();
+    assert_eq!(lines, [whole(keys.len()), whole(values.len())]);
+}
+
+#[test]
+fn ahead_asks_for_every_line_of_a_block_and_nothing_else() {
+    every_line_of_a_block(0.0f32);
+    every_line_of_a_block(f16::from_f32(0.0));
+    every_line_of_a_block(0i8);
+}
+
+#[test]
+fn ahead_asks_for_no_line_of_a_position_past_the_tile() {
+    // The first 5 positions of a block of 32 f32: a feature row is 2 lines, the first only is
+    // the tile's; values are 16 wide (one line each).
+    let (dim, block_size, value_dim, count) = (4, 32, 16, 5);
+    let keys = vec![0.0f32; dim * block_size];
+    let values = vec![0.0f32; block_size * value_dim];
+    let ahead = block_ahead(&keys, &values, [block_size, value_dim], count);
+    assert_eq!(
+        ahead.key_offset(0, count),
+        None,
+        "position 5 is not the tile's"
+    );
+    assert_eq!(ahead.value_lines(count, value_dim).count(), 0);
+    let lines = lines_asked_for(&ahead, dim, value_dim, block_size);
+    assert_eq!(lines, [vec![0, 2, 4, 6], vec![0, 1, 2, 3, 4]]);
+}
+
+#[test]
+fn ahead_skips_a_tile_of_position_major_keys() {
+    let (keys, values) = ([0.0f32; 8], [0.0f32; 8]);
+    let tile = KeyTile {
+        layout: KeyLayout::Rows,
+        ..columns_tile(&keys, &values, 2)
+    };
+    assert!(Ahead::of(&tile).is_none());
 }
