@@ -1,0 +1,211 @@
+//! [`super::attend_part`] on AVX-512 registers, for feature-major keys without soft cap or
+//! ALiBi and values a whole number of 16-lane vectors wide (and, in int8 and f16, whole parts
+//! of 16 positions, converted to f32 as they are loaded): the rest of a tile goes through the
+//! lane loops.
+//!
+//! Why: compiled from the lane loops, the paged step at 32 sequences of 128-4096 positions
+//! (`decoding` bench, AMD EPYC Zen 5, 2 cores) spent 2.5-3.0 ms in this kernel where these
+//! registers took 1.5-2.0 ms: the loops kept their sums on the stack.
+
+use std::arch::x86_64::*;
+
+use super::{
+    HEADS, KeyLayout, KeyTile, LANES, LogitRule, OnlineRow, TileElement, TilePart, TileScales,
+};
+
+/// Whether [`attend_part`] takes `part`: the CPU has AVX-512F, the keys are feature-major,
+/// the logits are the scores, the values are whole vectors, and an int8 or f16 part is a
+/// whole one (its loads are not masked).
+pub(super) fn takes<E: TileElement>(tile: &KeyTile<E>, rule: &LogitRule, part: TilePart) -> bool {
+    tile.layout == KeyLayout::Columns
+        && rule.softcap.is_none()
+        && rule.alibi.is_none()
+        && part.value_dim.is_multiple_of(LANES)
+        && (!(E::INT8 || E::HALF) || part.lanes == LANES)
+        && std::arch::is_x86_feature_detected!("avx512f")
+}
+
+/// Sixteen elements from `elements` as floats: the `lanes` of f32 (the others 0), or all
+/// sixteen i8 or f16 converted.
+///
+/// # Safety
+///
+/// The CPU has AVX-512F; the lanes read lie inside the slice `elements` points into (all
+/// sixteen for i8 and f16).
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn load<E: TileElement>(elements: *const E, lanes: __mmask16) -> __m512 {
+    // SAFETY: the caller's; `E` is i8, f16 or f32 as `E::INT8` and `E::HALF` say.
+    unsafe {
+        if E::INT8 {
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(elements.cast())))
+        } else if E::HALF {
+            _mm512_cvtph_ps(_mm256_loadu_si256(elements.cast()))
+        } else {
+            _mm512_maskz_loadu_ps(lanes, elements.cast())
+        }
+    }
+}
+
+/// Sixteen positions' scales from `first` (`stride` apart) as a vector.
+///
+/// # Panics
+///
+/// If they are not all in `scales`.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn scale_vector(scales: &[f32], stride: usize, first: usize) -> __m512 {
+    if stride == 1 {
+        let lanes = &scales[first..first + LANES];
+        // SAFETY: `lanes` is 16 floats.
+        return unsafe { _mm512_loadu_ps(lanes.as_ptr()) };
+    }
+    let lanes: [f32; LANES] = std::array::from_fn(|lane| scales[(first + lane) * stride]);
+    // SAFETY: `lanes` is 16 floats.
+    unsafe { _mm512_loadu_ps(lanes.as_ptr()) }
+}
+
+/// [`super::attend_part`] for a part [`takes`] takes.
+///
+/// # Safety
+///
+/// The CPU has AVX-512F; `row` holds whole heads of `part.dim` queries and
+/// `part.value_dim` outputs for heads `part.head..part.head + part.heads`; `tile.keys` holds
+/// `(part.dim - 1) · key_stride + part.first + part.lanes` values and `tile.values`
+/// `(part.first + part.lanes - 1) · value_stride + part.value_dim` (what `attend_tile`
+/// checks); `scales`, if any, one of each kind per position of the tile.
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn attend_part<E: TileElement>(
+    row: &mut OnlineRow,
+    tile: &KeyTile<E>,
+    scales: Option<&TileScales>,
+    part: TilePart,
+) {
+    let (dim, value_dim) = (part.dim, part.value_dim);
+    let head_of = |h: usize| part.head + h.min(part.heads - 1);
+    let lanes: __mmask16 = if part.lanes == LANES {
+        u16::MAX
+    } else {
+        (1u16 << part.lanes) - 1
+    };
+    let mut scores = [_mm512_setzero_ps(); HEADS];
+    // SAFETY: the loads: feature `f < dim` of query head `head_of(h)` is in `row.queries`;
+    // the key load reads lanes `< part.lanes` of row `f`, inside `tile.keys` (all 16 for
+    // i8, which `takes` only takes whole).
+    unsafe {
+        let keys = tile.keys.as_ptr().add(part.first);
+        let queries: [*const f32; HEADS] =
+            std::array::from_fn(|h| row.queries.as_ptr().add(head_of(h) * dim));
+        // The next tile's keys, once per part of its positions (by its first heads).
+        let ahead = row.ahead.filter(|_| part.head == 0);
+        for feature in 0..dim {
+            if let Some(ahead) = &ahead {
+                ahead.key_line(feature, part.first);
+            }
+            let key = load(keys.add(feature * tile.key_stride), lanes);
+            for h in 0..HEADS {
+                let query = _mm512_set1_ps(*queries[h].add(feature));
+                scores[h] = _mm512_fmadd_ps(query, key, scores[h]);
+            }
+        }
+    }
+    if let Some(scales) = scales {
+        let key_scales = scale_vector(scales.keys, scales.key_stride, part.first);
+        for score in &mut scores {
+            *score = _mm512_mul_ps(*score, key_scales);
+        }
+    }
+    let value_scales =
+        scales.map(|scales| scale_vector(scales.values, scales.value_stride, part.first));
+    let mut weights = [[0.0f32; LANES]; HEADS];
+    let mut corrections = [1.0f32; HEADS];
+    for h in 0..part.heads {
+        let head = part.head + h;
+        let logits = _mm512_mask_blend_ps(lanes, _mm512_set1_ps(f32::NEG_INFINITY), scores[h]);
+        let max = row.maxima[head].max(_mm512_reduce_max_ps(logits));
+        let exponentials =
+            crate::cpu::simd::avx512::exp(_mm512_sub_ps(logits, _mm512_set1_ps(max)));
+        // The first tile's correction is e^-∞ = 0, against sums that are still 0.
+        let correction = super::exp::<true>(row.maxima[head] - max);
+        row.sums[head] = row.sums[head] * correction + _mm512_reduce_add_ps(exponentials);
+        row.maxima[head] = max;
+        corrections[h] = correction;
+        // The int8 values' scales go into their weights (the sum above is the softmax's).
+        let weight =
+            value_scales.map_or(exponentials, |scales| _mm512_mul_ps(exponentials, scales));
+        // SAFETY: `weights[h]` is 16 floats.
+        unsafe { _mm512_storeu_ps(weights[h].as_mut_ptr(), weight) };
+    }
+    let mut start = 0;
+    while start < value_dim {
+        let vectors = (value_dim - start) / LANES;
+        // SAFETY: columns `start..start + 16 · vectors` of the part's value rows and of its
+        // heads' outputs are inside `tile.values` and `row.outputs`.
+        unsafe {
+            match vectors {
+                1 => value_pass::<1, E>(row, tile, part, &weights, &corrections, start),
+                2 => value_pass::<2, E>(row, tile, part, &weights, &corrections, start),
+                3 => value_pass::<3, E>(row, tile, part, &weights, &corrections, start),
+                _ => value_pass::<4, E>(row, tile, part, &weights, &corrections, start),
+            }
+        }
+        start += LANES * vectors.min(4);
+    }
+}
+
+/// `outputs[head][start..][..16 · VECTORS] ← outputs · correction + Σ_lane weight · value`
+/// for the part's heads, the sums in registers.
+///
+/// # Safety
+///
+/// As [`attend_part`], and `start + 16 · VECTORS ≤ part.value_dim`.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn value_pass<const VECTORS: usize, E: TileElement>(
+    row: &mut OnlineRow,
+    tile: &KeyTile<E>,
+    part: TilePart,
+    weights: &[[f32; LANES]; HEADS],
+    corrections: &[f32; HEADS],
+    start: usize,
+) {
+    let mut sums = [[_mm512_setzero_ps(); VECTORS]; HEADS];
+    // SAFETY: value row `part.first + lane` (lane < part.lanes) and its columns `start..start
+    // + 16 · VECTORS` are inside `tile.values`; output columns likewise inside `row.outputs`
+    // for heads below `part.head + part.heads`.
+    unsafe {
+        let values = tile
+            .values
+            .as_ptr()
+            .add(part.first * tile.value_stride + start);
+        // The next tile's value rows, once per part (at its first columns).
+        let ahead = row.ahead.filter(|_| part.head == 0 && start == 0);
+        for lane in 0..part.lanes {
+            let value_row = values.add(lane * tile.value_stride);
+            if let Some(ahead) = &ahead {
+                ahead.value_row(part.first + lane, part.value_dim);
+            }
+            for v in 0..VECTORS {
+                let value = load(value_row.add(v * LANES), u16::MAX);
+                for h in 0..HEADS {
+                    let weight = _mm512_set1_ps(weights[h][lane]);
+                    sums[h][v] = _mm512_fmadd_ps(weight, value, sums[h][v]);
+                }
+            }
+        }
+        for h in 0..part.heads {
+            let output = row
+                .outputs
+                .as_mut_ptr()
+                .add((part.head + h) * part.value_dim + start);
+            let correction = _mm512_set1_ps(corrections[h]);
+            for v in 0..VECTORS {
+                let old = _mm512_loadu_ps(output.add(v * LANES));
+                _mm512_storeu_ps(
+                    output.add(v * LANES),
+                    _mm512_fmadd_ps(old, correction, sums[h][v]),
+                );
+            }
+        }
+    }
+}
