@@ -12,7 +12,8 @@
 //! - `store.rs`: the blocks themselves, as tensors (float, f16 or int8);
 //! - `step.rs`: the step — projections, RoPE at each row's position, the writes, and the
 //!   attention through tensor ops on any backend;
-//! - `cpu.rs`: the attention read through the block tables in place on flex and ndarray.
+//! - `cpu.rs`: the attention read through the block tables in place on flex and ndarray;
+//!   `cpu/sequence.rs` walks one sequence's rows through its table.
 
 mod cache;
 #[cfg(any(feature = "flex", feature = "ndarray"))]

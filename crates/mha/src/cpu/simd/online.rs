@@ -157,10 +157,15 @@ impl<'a> Ahead<'a> {
         })
     }
 
-    /// The byte offset of feature `feature`'s key at position `position`, if the tile has it.
+    /// The byte offset of feature `feature`'s key at position `position`, if the tile has it
+    /// and it starts a line: where a feature's row is shorter than a line (f16 and int8
+    /// blocks of 16), the line holding the previous feature's key at `position` is asked for
+    /// once, not again for each feature in it.
     fn key_offset(&self, feature: usize, position: usize) -> Option<usize> {
-        let offset = (feature * self.key_stride + position) * self.element;
-        (position < self.count && offset < self.key_bytes).then_some(offset)
+        let stride = self.key_stride * self.element;
+        let offset = feature * stride + position * self.element;
+        let new_line = feature == 0 || offset / CACHE_LINE != (offset - stride) / CACHE_LINE;
+        (position < self.count && offset < self.key_bytes && new_line).then_some(offset)
     }
 
     /// The byte offsets of the cache lines of position `position`'s value (`value_dim` wide),

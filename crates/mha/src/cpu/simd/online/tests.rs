@@ -447,8 +447,8 @@ fn attend_tile_refuses_queries_that_are_not_whole_heads() {
 
 /// The lines (64-byte pieces from the tile's start) [`Ahead`] asks for when the parts of a tile
 /// of `count` positions go through it as `attend_part` does: a key line per feature per part of
-/// 16 positions, the value lines of each position.
-fn lines_asked_for(ahead: &Ahead, dim: usize, value_dim: usize, count: usize) -> [Vec<usize>; 2] {
+/// 16 positions, the value lines of each position; each line as often as it is asked for.
+fn requests(ahead: &Ahead, dim: usize, value_dim: usize, count: usize) -> [Vec<usize>; 2] {
     let mut keys = Vec::new();
     let mut values = Vec::new();
     for first in (0..count).step_by(LANES) {
@@ -462,6 +462,13 @@ fn lines_asked_for(ahead: &Ahead, dim: usize, value_dim: usize, count: usize) ->
     [keys, values].map(|offsets| {
         let mut lines: Vec<usize> = offsets.iter().map(|offset| offset / CACHE_LINE).collect();
         lines.sort_unstable();
+        lines
+    })
+}
+
+/// [`requests`]' lines, each once.
+fn lines_asked_for(ahead: &Ahead, dim: usize, value_dim: usize, count: usize) -> [Vec<usize>; 2] {
+    requests(ahead, dim, value_dim, count).map(|mut lines| {
         lines.dedup();
         lines
     })
@@ -505,6 +512,25 @@ fn ahead_asks_for_every_line_of_a_block_and_nothing_else() {
     every_line_of_a_block(0.0f32);
     every_line_of_a_block(f16::from_f32(0.0));
     every_line_of_a_block(0i8);
+}
+
+/// A block of 16 positions (the paged cache's default) of `E`: each line of its keys is asked
+/// for once, though an f16 or int8 line holds two or four features' keys.
+fn each_key_line_once<E: TileElement>(zero: E) {
+    let (dim, block_size, value_dim) = (8, 16, 16);
+    let keys = vec![zero; dim * block_size];
+    let values = vec![zero; block_size * value_dim];
+    let ahead = block_ahead(&keys, &values, [block_size, value_dim], block_size);
+    let [key_requests, _] = requests(&ahead, dim, value_dim, block_size);
+    let lines = (std::mem::size_of_val(keys.as_slice()) / CACHE_LINE).max(1);
+    assert_eq!(key_requests, (0..lines).collect::<Vec<_>>());
+}
+
+#[test]
+fn ahead_asks_for_each_key_line_of_a_block_once() {
+    each_key_line_once(0.0f32);
+    each_key_line_once(f16::from_f32(0.0));
+    each_key_line_once(0i8);
 }
 
 #[test]

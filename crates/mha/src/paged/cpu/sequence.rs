@@ -1,0 +1,333 @@
+//! One sequence's rows of a paged step, each query through the sequence's block table: the
+//! chunks a row reads (its stored blocks, then the step's new rows), each chunk's tile of keys
+//! and values per key/value head where it lies, and the online softmax over them.
+
+use std::ops::Range;
+
+use burn::tensor::f16;
+
+use super::{PagedParams, PagedSequence, PoolViews, Sizes, Views};
+use crate::cpu::matrix::{HeadIndex, HeadsView};
+use crate::cpu::simd;
+
+/// Consecutive positions of a sequence that one tile covers, for every key/value head: a
+/// stored block's (or part of one), or the step's new rows.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Chunk {
+    positions: Range<usize>,
+    source: ChunkSource,
+}
+
+/// Where a chunk's keys and values lie.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ChunkSource {
+    /// Index `index` of the block table, from `offset` positions into the block.
+    Stored { index: usize, offset: usize },
+    /// The step's rows from `row` on.
+    New { row: usize },
+}
+
+/// The chunks a query of `sequence` that sees positions `visible` reads, in order: its stored
+/// positions block by block, then the step's new ones up to its own.
+fn chunks(
+    sequence: &PagedSequence,
+    block_size: usize,
+    visible: Range<usize>,
+) -> impl Iterator<Item = Chunk> + '_ {
+    let stored = visible.start..visible.end.min(sequence.past);
+    let blocks = if stored.is_empty() {
+        0..0
+    } else {
+        stored.start / block_size..stored.end.div_ceil(block_size)
+    };
+    let stored_chunks = blocks.map(move |index| {
+        let first = (index * block_size).max(stored.start);
+        let end = ((index + 1) * block_size).min(stored.end);
+        Chunk {
+            positions: first..end,
+            source: ChunkSource::Stored {
+                index,
+                offset: first - index * block_size,
+            },
+        }
+    });
+    let new = visible.start.max(sequence.past)..visible.end;
+    let new_chunk = (!new.is_empty()).then(|| Chunk {
+        source: ChunkSource::New {
+            row: sequence.rows.start + new.start - sequence.past,
+        },
+        positions: new,
+    });
+    stored_chunks.chain(new_chunk)
+}
+
+/// One chunk's keys and values of one key/value head, where they lie: f32, f16, or the i8 of
+/// an int8 pool's block and its scales.
+#[derive(Clone, Copy)]
+enum Tile<'a> {
+    Float(simd::KeyTile<'a>),
+    Half(simd::KeyTile<'a, f16>),
+    Int8(simd::KeyTile<'a, i8>, simd::TileScales<'a>),
+}
+
+impl<'a> Tile<'a> {
+    /// The tile's keys and values, for the tile computed before it to ask the CPU for.
+    fn ahead(&self) -> Option<simd::Ahead<'a>> {
+        match self {
+            Tile::Float(tile) => simd::Ahead::of(tile),
+            Tile::Half(tile) => simd::Ahead::of(tile),
+            Tile::Int8(tile, _) => simd::Ahead::of(tile),
+        }
+    }
+}
+
+/// `count` positions of a stored block from `offset` on, of one key/value head.
+#[derive(Clone, Copy)]
+struct BlockPart {
+    head: HeadIndex,
+    offset: usize,
+    count: usize,
+}
+
+impl BlockPart {
+    /// The part's keys (feature-major) and values where they lie in the pool's views.
+    fn tile<'a, E>(
+        self,
+        keys: &HeadsView<'a, E>,
+        values: &HeadsView<'a, E>,
+    ) -> simd::KeyTile<'a, E> {
+        let (keys, values) = (
+            keys.head(self.head).columns(self.offset, self.count),
+            values.head(self.head).rows(self.offset, self.count),
+        );
+        simd::KeyTile {
+            keys: keys.values,
+            key_stride: keys.row_stride,
+            layout: simd::KeyLayout::Columns,
+            values: values.values,
+            value_stride: values.row_stride,
+            count: self.count,
+        }
+    }
+}
+
+/// `chunk`'s keys and values of key/value head `kv_head`.
+fn tile<'a>(
+    views: &Views<'a>,
+    sequence: &PagedSequence,
+    kv_head: usize,
+    chunk: &Chunk,
+) -> Tile<'a> {
+    let count = chunk.positions.len();
+    match chunk.source {
+        ChunkSource::Stored { index, offset } => {
+            let head = HeadIndex {
+                batch: sequence.blocks[index],
+                head: kv_head,
+            };
+            let block = BlockPart {
+                head,
+                offset,
+                count,
+            };
+            match &views.pool {
+                PoolViews::Float { keys, values } => Tile::Float(block.tile(keys, values)),
+                PoolViews::Half { keys, values } => Tile::Half(block.tile(keys, values)),
+                PoolViews::Int8 {
+                    keys,
+                    key_scales,
+                    values,
+                    value_scales,
+                } => {
+                    // A row of one scale per position for the keys, a column for the values.
+                    let key_scales = key_scales.head(head).columns(offset, count);
+                    let value_scales = value_scales.head(head).rows(offset, count);
+                    let scales = simd::TileScales {
+                        keys: key_scales.values,
+                        key_stride: key_scales.column_stride,
+                        values: value_scales.values,
+                        value_stride: value_scales.row_stride,
+                    };
+                    Tile::Int8(block.tile(keys, values), scales)
+                }
+            }
+        }
+        ChunkSource::New { row } => {
+            let head = HeadIndex {
+                batch: 0,
+                head: kv_head,
+            };
+            let (keys, values) = (
+                views.new_key.head(head).rows(row, count),
+                views.new_value.head(head).rows(row, count),
+            );
+            Tile::Float(simd::KeyTile {
+                keys: keys.values,
+                key_stride: keys.row_stride,
+                layout: simd::KeyLayout::Rows,
+                values: values.values,
+                value_stride: values.row_stride,
+                count,
+            })
+        }
+    }
+}
+
+/// Bytes ahead of the tile it computes (in a row's order: chunk by chunk, key/value head by
+/// key/value head within a chunk) from which a task asks the CPU for a tile's keys and values,
+/// line by line as it computes (see [`simd::Ahead`]): a block's keys and values are a few KiB
+/// each, and the hardware prefetchers do not follow the block table from one to the next (at
+/// 32 sequences of 128-4096 positions the step took about 40% longer without).
+const PREFETCH_BYTES: usize = 16 << 10;
+
+/// How many tiles on a task asks for, tiles of `tile_bytes` keys and values:
+/// [`PREFETCH_BYTES`] ahead (two f32 tiles of 64 features by 16 positions, eight in int8), at
+/// least the next one.
+fn prefetch_distance(tile_bytes: usize) -> usize {
+    PREFETCH_BYTES.div_ceil(tile_bytes.max(1)).max(1)
+}
+
+impl PoolViews<'_> {
+    /// Bytes per stored key or value (an int8 pool's scales aside).
+    fn element_bytes(&self) -> usize {
+        match self {
+            PoolViews::Float { .. } => 4,
+            PoolViews::Half { .. } => 2,
+            PoolViews::Int8 { .. } => 1,
+        }
+    }
+}
+
+/// The outputs of `sequence`'s rows, `[rows, n_heads, head_dim]`: row by row, chunk by chunk
+/// of its keys (a block at most), every key/value head in turn within a chunk, so that the task
+/// reads each block's heads (adjacent in the pool) one after the other; each (chunk, key/value
+/// head) is one [`simd::attend_tile`] for the query heads that share it.
+pub(super) fn sequence_output(
+    views: &Views,
+    sizes: Sizes,
+    params: &PagedParams,
+    sequence: &PagedSequence,
+) -> Vec<f32> {
+    let Sizes {
+        n_heads,
+        n_kv_heads,
+        head_dim,
+        block_size,
+        ..
+    } = sizes;
+    let group = n_heads / n_kv_heads;
+    let distance = prefetch_distance(block_size * 2 * head_dim * views.pool.element_bytes());
+    let width = n_heads * head_dim;
+    let mut output = vec![0.0f32; sequence.rows.len() * width];
+    let mut queries = vec![0.0f32; width];
+    let mut maxima = vec![f32::NEG_INFINITY; n_heads];
+    let mut sums = vec![0.0f32; n_heads];
+    let mut row_chunks = Vec::new();
+    let mut row_tiles = Vec::new();
+    for (local, row) in sequence.rows.clone().enumerate() {
+        let position = sequence.past + local;
+        let first = params
+            .window
+            .map_or(0, |window| (position + 1).saturating_sub(window));
+        // The queries scaled once, so that the dot products are the scores.
+        for head in 0..n_heads {
+            let query = views.query.row(HeadIndex { batch: 0, head }, row);
+            simd::scaled_copy(
+                &mut queries[head * head_dim..][..head_dim],
+                query,
+                params.scale,
+            );
+        }
+        maxima.fill(f32::NEG_INFINITY);
+        sums.fill(0.0);
+        let outputs = &mut output[local * width..][..width];
+        // Every (chunk, key/value head) tile of the row once, chunk by chunk: the prefetch
+        // ahead and the computation read the same list.
+        row_chunks.clear();
+        row_tiles.clear();
+        for chunk in chunks(sequence, block_size, first..position + 1) {
+            row_tiles.extend((0..n_kv_heads).map(|kv_head| tile(views, sequence, kv_head, &chunk)));
+            row_chunks.push(chunk);
+        }
+        for (index, chunk) in row_chunks.iter().enumerate() {
+            for kv_head in 0..n_kv_heads {
+                let tile = index * n_kv_heads + kv_head;
+                let ahead = row_tiles.get(tile + distance);
+                if let Some(ahead) = ahead {
+                    prefetch_scales(ahead);
+                }
+                let heads = kv_head * group..(kv_head + 1) * group;
+                let features = heads.start * head_dim..heads.end * head_dim;
+                let mut online = simd::OnlineRow {
+                    queries: &queries[features.clone()],
+                    outputs: &mut outputs[features],
+                    maxima: &mut maxima[heads.clone()],
+                    sums: &mut sums[heads.clone()],
+                    ahead: ahead.and_then(Tile::ahead),
+                };
+                let rule = simd::LogitRule {
+                    softcap: params.softcap,
+                    alibi: params.alibi.as_ref().map(|slopes| &slopes[heads.clone()]),
+                    first_distance: position - chunk.positions.start,
+                };
+                match row_tiles[tile] {
+                    Tile::Float(tile) => simd::attend_tile(&mut online, tile, rule),
+                    Tile::Half(tile) => simd::attend_half_tile(&mut online, tile, rule),
+                    Tile::Int8(tile, scales) => {
+                        simd::attend_int8_tile(&mut online, tile, scales, rule)
+                    }
+                }
+            }
+        }
+        normalize(outputs, &maxima, &sums, params, head_dim);
+    }
+    output
+}
+
+/// Asks the CPU for an int8 tile's scales (a line or two; its keys and values are asked for
+/// by the tile computed before it, through [`Tile::ahead`]).
+fn prefetch_scales(tile: &Tile) {
+    if let Tile::Int8(tile, scales) = tile {
+        simd::prefetch(scales.keys, tile.count * scales.key_stride);
+        simd::prefetch(scales.values, tile.count * scales.value_stride);
+    }
+}
+
+/// Divides each head's output by its softmax sum, the sink's term (if any) added first.
+fn normalize(
+    outputs: &mut [f32],
+    maxima: &[f32],
+    sums: &[f32],
+    params: &PagedParams,
+    head_dim: usize,
+) {
+    for (head, output) in outputs.chunks_exact_mut(head_dim).enumerate() {
+        let (mut max, mut sum) = (maxima[head], sums[head]);
+        let mut scale = 1.0;
+        if let Some(sinks) = &params.sinks {
+            let sink = sinks[head];
+            let with_sink = max.max(sink);
+            scale = (max - with_sink).exp();
+            sum = sum * scale + (sink - with_sink).exp();
+            max = with_sink;
+        }
+        debug_assert!(max > f32::NEG_INFINITY, "a query sees at least itself");
+        let factor = scale / sum;
+        output.iter_mut().for_each(|value| *value *= factor);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_task_asks_for_the_tiles_16_kib_ahead_and_at_least_the_next() {
+        // f32, f16 and int8 tiles of 64 features by 16 positions, keys and values.
+        assert_eq!(prefetch_distance(16 * 2 * 64 * 4), 2);
+        assert_eq!(prefetch_distance(16 * 2 * 64 * 2), 4);
+        assert_eq!(prefetch_distance(16 * 2 * 64), 8);
+        assert_eq!(prefetch_distance(64 << 10), 1);
+        assert_eq!(prefetch_distance(0), PREFETCH_BYTES);
+    }
+}
