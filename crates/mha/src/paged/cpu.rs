@@ -338,6 +338,15 @@ impl PoolViews<'_> {
             Self::Int8 { values, .. } => values.shape(),
         }
     }
+
+    /// Bytes per stored key or value (an int8 pool's scales aside).
+    fn element_bytes(&self) -> usize {
+        match self {
+            Self::Float { .. } => 4,
+            Self::Half { .. } => 2,
+            Self::Int8 { .. } => 1,
+        }
+    }
 }
 
 /// Sizes of a call.

@@ -187,17 +187,6 @@ fn prefetch_distance(tile_bytes: usize) -> usize {
     PREFETCH_BYTES.div_ceil(tile_bytes.max(1)).max(1)
 }
 
-impl PoolViews<'_> {
-    /// Bytes per stored key or value (an int8 pool's scales aside).
-    fn element_bytes(&self) -> usize {
-        match self {
-            PoolViews::Float { .. } => 4,
-            PoolViews::Half { .. } => 2,
-            PoolViews::Int8 { .. } => 1,
-        }
-    }
-}
-
 /// The outputs of `sequence`'s rows, `[rows, n_heads, head_dim]`: row by row, chunk by chunk
 /// of its keys (a block at most), every key/value head in turn within a chunk, so that the task
 /// reads each block's heads (adjacent in the pool) one after the other; each (chunk, key/value
