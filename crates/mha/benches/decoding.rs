@@ -48,6 +48,34 @@ fn read_bandwidth(threads: usize) -> f64 {
     (values.len() * 4) as f64 / best
 }
 
+/// What two tasks of [`PAIR_TASK`] each take on rayon's threads, started 1 ms after the last
+/// pair so that the workers have gone to sleep: the 10th, 50th and 90th percentiles of 60
+/// pairs, in µs. About `PAIR_TASK` where the machine wakes a worker at once, twice that where
+/// the second task waited for the first. A step over many sequences pays such wake-ups in each
+/// of its parallel parts (projections, attention, output projection); one sequence at a time
+/// runs on one thread and pays none.
+fn parallel_pair() -> [f64; 3] {
+    let spin = || {
+        let started = Instant::now();
+        while started.elapsed() < PAIR_TASK {
+            std::hint::spin_loop();
+        }
+    };
+    let mut times: Vec<f64> = (0..60)
+        .map(|_| {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+            let started = Instant::now();
+            rayon::join(spin, spin);
+            started.elapsed().as_secs_f64() * 1e6
+        })
+        .collect();
+    times.sort_by(f64::total_cmp);
+    [times[6], times[30], times[54]]
+}
+
+/// The length of each of [`parallel_pair`]'s tasks.
+const PAIR_TASK: std::time::Duration = std::time::Duration::from_micros(300);
+
 /// The sum of `values`, with eight accumulators so that it vectorises and is bound by memory,
 /// not latency.
 fn sum(values: &[f32]) -> f32 {
@@ -144,6 +172,16 @@ fn main() {
          table's",
         one_thread / 1e9,
         all_threads / 1e9
+    );
+    let [p10, p50, p90] = parallel_pair();
+    println!(
+        "two tasks of {} µs on rayon's {} threads took {p10:.0} / {p50:.0} / {p90:.0} µs (10th, \
+         50th, 90th percentile of 60 pairs, each 1 ms after the last): {} where the workers \
+         wake at once, {} where one waits for the other",
+        PAIR_TASK.as_micros(),
+        rayon::current_num_threads(),
+        PAIR_TASK.as_micros(),
+        2 * PAIR_TASK.as_micros()
     );
     if !options.positions.is_empty() {
         one_sequence_table(&module, &options, one_thread, &device);
