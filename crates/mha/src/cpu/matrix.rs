@@ -21,6 +21,13 @@ pub(crate) struct Strided<'a, E = f32> {
     pub strides: [usize; 4],
 }
 
+/// A rank-4 tensor's elements for writing: element `[a, b, c, d]` at `values[a · strides[0] +
+/// b · strides[1] + c · strides[2] + d · strides[3]]`.
+pub(crate) struct StridedMut<'a> {
+    pub values: &'a mut [f32],
+    pub strides: [usize; 4],
+}
+
 /// A head of a `[batch, heads, seq, dim]` tensor: batch element `batch`, head `head`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct HeadIndex {

@@ -7,7 +7,7 @@ use burn::backend::{Backend, DType, DispatchDevice, TensorMetadata};
 use burn::tensor::{Device, f16};
 
 use super::buffers::{self, BufferSource};
-use super::matrix::{HeadsView, Strided};
+use super::matrix::{HeadsView, Strided, StridedMut};
 use crate::execution::FreshOutputs;
 
 /// A CPU backend whose float tensors the native kernels read and write in place.
@@ -21,6 +21,12 @@ pub(crate) trait CpuStorage: Backend {
     /// The f32 elements from the tensor's first one on, and its four strides, if all are
     /// non-negative and the last is 1.
     fn strided(tensor: &FloatTensor<Self>) -> Option<Strided<'_>>;
+
+    /// The f32 elements of a rank-4 `tensor` for writing, from its first one on, and its four
+    /// strides, the last 1; `None` for other dtypes. A tensor in another layout is made
+    /// contiguous first, and one that shares its buffer with another tensor is copied
+    /// (copy-on-write), so that the other keeps its values.
+    fn writable(tensor: &mut FloatTensor<Self>) -> Option<StridedMut<'_>>;
 
     /// `tensor` itself, or a copy in a layout [`CpuStorage::int8_strided`] reads, for i8.
     fn int8_readable(tensor: &IntTensor<Self>) -> Option<IntTensor<Self>>;
@@ -146,6 +152,19 @@ impl CpuStorage for burn::backend::Flex {
         Some(Strided { values, strides })
     }
 
+    fn writable(tensor: &mut FloatTensor<Self>) -> Option<StridedMut<'_>> {
+        if tensor.dtype() != DType::F32 {
+            return None;
+        }
+        if flex_strides(tensor, DType::F32).is_none() {
+            *tensor = tensor.to_contiguous();
+        }
+        let (start, strides) = flex_strides(tensor, DType::F32)?;
+        // A buffer shared with another tensor is copied here (flex's copy-on-write).
+        let values = tensor.storage_mut::<f32>().get_mut(start..)?;
+        Some(StridedMut { values, strides })
+    }
+
     fn int8_readable(tensor: &IntTensor<Self>) -> Option<IntTensor<Self>> {
         if tensor.dtype() != DType::I8 {
             return None;
@@ -249,6 +268,25 @@ impl CpuStorage for burn::backend::NdArray {
             return None;
         };
         super::matrix::ndarray_elements(storage.view())
+    }
+
+    fn writable(tensor: &mut FloatTensor<Self>) -> Option<StridedMut<'_>> {
+        let burn::backend::ndarray::NdArrayTensor::F32(storage) = tensor else {
+            return None;
+        };
+        let array = storage.ensure_owned();
+        // Unique from here on (a shared buffer is copied: ndarray's copy-on-write), so that the
+        // strides read below are the ones written through.
+        let contiguous = array.as_slice_memory_order_mut().is_some();
+        let strides = array.strides();
+        let usable = strides.len() == 4 && strides[3] == 1 && strides.iter().all(|&s| s >= 0);
+        if !contiguous || !usable {
+            *array = standard_copy(array.view());
+        }
+        let strides = array.strides();
+        let strides = [0, 1, 2, 3].map(|axis| strides[axis] as usize);
+        let values = array.as_slice_memory_order_mut()?;
+        Some(StridedMut { values, strides })
     }
 
     fn int8_readable(tensor: &IntTensor<Self>) -> Option<IntTensor<Self>> {

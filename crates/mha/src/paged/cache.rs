@@ -10,7 +10,7 @@ use std::ops::Range;
 use burn::tensor::{Device, Tensor};
 
 use super::prefix::{PrefixIndex, Token, TokenRecord};
-use super::store::{BlockLayout, BlockStore};
+use super::store::{BlockLayout, BlockStore, RowsWrite};
 use crate::cache::{CacheOwner, CacheStorage, storage_unsupported};
 
 mod error;
@@ -696,21 +696,28 @@ impl PagedKvCache {
             // Written now: what it held can no longer be shared.
             self.prefixes.forget(block);
         }
+        // The copies first: a block copied from is shared, so no write of the step lands in it.
         for sequence in &step.sequences {
             if let Some(BlockCopy { from, to }) = sequence.copy {
                 key_store = key_store.with_block_copied(from, to);
                 value_store = value_store.with_block_copied(from, to);
                 self.release_block(from);
             }
-            let rows = &sequence.rows;
-            let key_rows = key.clone().narrow(2, rows.start, rows.len());
-            let value_rows = value.clone().narrow(2, rows.start, rows.len());
-            key_store = key_store.written(&sequence.table, sequence.past, key_rows);
-            value_store = value_store.written(&sequence.table, sequence.past, value_rows);
+        }
+        let writes: Vec<RowsWrite> = step
+            .sequences
+            .iter()
+            .map(|sequence| RowsWrite {
+                table: &sequence.table,
+                past: sequence.past,
+                rows: sequence.rows.clone(),
+            })
+            .collect();
+        self.key = Some(key_store.written_all(&writes, key));
+        self.value = Some(value_store.written_all(&writes, value));
+        for sequence in &step.sequences {
             self.sequences.insert(sequence.id, sequence.table.clone());
         }
-        self.key = Some(key_store);
-        self.value = Some(value_store);
         self.owner = Some(step.owner);
         for sequence in &step.sequences {
             self.file_whole_blocks(sequence.id);

@@ -25,8 +25,10 @@ use crate::cpu::storage::{CpuStorage, native_storage};
 use crate::module::MultiHeadAttention;
 
 mod sequence;
+mod write;
 
 use sequence::sequence_output;
+pub(crate) use write::{PoolWrite, Slot, native_write};
 
 /// One sequence of a paged step as the kernel reads it.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -13,7 +13,8 @@
 //! - `step.rs`: the step — projections, RoPE at each row's position, the writes, and the
 //!   attention through tensor ops on any backend;
 //! - `cpu.rs`: the attention read through the block tables in place on flex and ndarray;
-//!   `cpu/sequence.rs` walks one sequence's rows through its table.
+//!   `cpu/sequence.rs` walks one sequence's rows through its table, `cpu/write.rs` writes a
+//!   step's rows into a float pool in place.
 
 mod cache;
 #[cfg(any(feature = "flex", feature = "ndarray"))]
@@ -33,6 +34,31 @@ mod cpu {
     use super::cache::{PagedKvCache, SequenceStep};
     use super::step::StepHeads;
     use crate::module::MultiHeadAttention;
+
+    /// Where a step's row goes (read by the in-place writer only, not compiled here).
+    #[derive(Debug, Clone, Copy)]
+    #[allow(dead_code)]
+    pub(crate) struct Slot {
+        pub row: usize,
+        pub block: usize,
+        pub offset: usize,
+    }
+
+    /// What `native_write` did with the pool: without a CPU backend, always declined.
+    pub(crate) enum PoolWrite {
+        #[allow(dead_code)]
+        Written(Tensor<4>),
+        Declined(Tensor<4>),
+    }
+
+    pub(crate) fn native_write(
+        pool: Tensor<4>,
+        _: &Tensor<4>,
+        _: Vec<Slot>,
+        _: super::store::BlockLayout,
+    ) -> PoolWrite {
+        PoolWrite::Declined(pool)
+    }
 
     pub(crate) fn native_paged_attention(
         _: &MultiHeadAttention,

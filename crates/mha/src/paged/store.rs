@@ -3,9 +3,12 @@
 //! ([`BlockLayout`]), in floats (the module's type, or f16 as [`CacheStorage::Half`]) or in
 //! int8 with a scale per position and head (as [`CacheStorage::Int8`]).
 
+use std::ops::Range;
+
 use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 
 use super::cache::{BlockTable, PagedKvCacheConfig};
+use super::cpu::{PoolWrite, Slot, native_write};
 use crate::cache::{CacheStorage, Quantized, dequantize_int8, in_dtype, quantize_int8};
 
 /// How a block lays out its positions and features.
@@ -191,6 +194,40 @@ impl BlockStore {
         Self { data, layout }
     }
 
+    /// The pool with every write's rows of `rows` (the step's `[1, heads, step rows, dim]`)
+    /// written at its sequence's positions: in place, in one pass, where the native writer
+    /// takes the pool (f32 on flex or ndarray), else with [`BlockStore::written`] per write.
+    pub fn written_all(self, writes: &[RowsWrite], rows: &Tensor<4>) -> Self {
+        let layout = self.layout;
+        let data = match self.data {
+            BlockData::Float { blocks } => {
+                let block_size = blocks.dims()[layout.position_axis()];
+                let slots = writes
+                    .iter()
+                    .flat_map(|write| write.slots(block_size))
+                    .collect();
+                match native_write(blocks, rows, slots, layout) {
+                    PoolWrite::Written(blocks) => {
+                        return Self {
+                            data: BlockData::Float { blocks },
+                            layout,
+                        };
+                    }
+                    PoolWrite::Declined(blocks) => BlockData::Float { blocks },
+                }
+            }
+            data => data,
+        };
+        writes.iter().fold(Self { data, layout }, |store, write| {
+            let (start, count) = (write.rows.start, write.rows.len());
+            store.written(
+                write.table,
+                write.past,
+                rows.clone().narrow(2, start, count),
+            )
+        })
+    }
+
     /// The first `len` positions of `table` as `[1, heads, len, dim]` floats of `dtype`: one
     /// gather of the sequence's blocks into a contiguous tensor (the generic path).
     pub fn gather(&self, table: &BlockTable, len: usize, dtype: DType) -> Tensor<4> {
@@ -203,6 +240,30 @@ impl BlockStore {
                 dtype,
             ),
         }
+    }
+}
+
+/// One sequence's rows of a step, and where they go.
+pub(crate) struct RowsWrite<'a> {
+    /// The sequence's table, with blocks for every position written.
+    pub table: &'a BlockTable,
+    /// Positions stored before the step: the first row goes to this one.
+    pub past: usize,
+    /// The step's rows that are the sequence's.
+    pub rows: Range<usize>,
+}
+
+impl RowsWrite<'_> {
+    /// The block and offset of each of the rows, blocks of `block_size` positions.
+    fn slots(&self, block_size: usize) -> impl Iterator<Item = Slot> + '_ {
+        self.rows.clone().enumerate().map(move |(index, row)| {
+            let position = self.past + index;
+            Slot {
+                row,
+                block: self.table.blocks[position / block_size],
+                offset: position % block_size,
+            }
+        })
     }
 }
 
