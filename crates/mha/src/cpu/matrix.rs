@@ -646,10 +646,17 @@ pub(crate) fn grown(buffer: &mut Vec<f32>, length: usize) -> &mut [f32] {
 #[cfg(feature = "ndarray")]
 pub(crate) fn ndarray_elements<'a, E>(view: ndarray::ArrayViewD<'a, E>) -> Option<Strided<'a, E>> {
     let (shape, strides) = (view.shape(), view.strides());
-    if strides.len() != 4 || strides[3] != 1 || strides.iter().any(|&s| s < 0) {
+    if strides.len() != 4 {
         return None;
     }
-    let strides = [0, 1, 2, 3].map(|axis| strides[axis] as usize);
+    // An axis of length 1 is never stepped along, whatever its stride (ndarray keeps a
+    // transposed `[.., 1, d]`'s last stride of d even in standard layout): read as 1.
+    let strides: [isize; 4] =
+        [0, 1, 2, 3].map(|axis| if shape[axis] == 1 { 1 } else { strides[axis] });
+    if strides[3] != 1 || strides.iter().any(|&s| s < 0) {
+        return None;
+    }
+    let strides = strides.map(|stride| stride as usize);
     if view.is_empty() {
         return Some(Strided {
             values: &[],

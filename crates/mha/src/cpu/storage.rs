@@ -23,7 +23,7 @@ pub(crate) trait CpuStorage: Backend {
     fn strided(tensor: &FloatTensor<Self>) -> Option<Strided<'_>>;
 
     /// The f32 elements of a rank-4 `tensor` for writing, from its first one on, and its four
-    /// strides, the last 1; `None` for other dtypes. A tensor in another layout is made
+    /// strides, the last 1 (or that of an axis of length 1); `None` for other dtypes. A tensor in another layout is made
     /// contiguous first, and one that shares its buffer with another tensor is copied
     /// (copy-on-write), so that the other keeps its values.
     fn writable(tensor: &mut FloatTensor<Self>) -> Option<StridedMut<'_>>;
@@ -156,7 +156,13 @@ impl CpuStorage for burn::backend::Flex {
         if tensor.dtype() != DType::F32 {
             return None;
         }
-        if flex_strides(tensor, DType::F32).is_none() {
+        // A layout the kernels do not read, or one where two elements share a place (a stride
+        // of 0 on a longer axis: a broadcast), is written through a contiguous copy.
+        let shared_places = |strides: [usize; 4]| {
+            let shape = rank_4(tensor);
+            (0..4).any(|axis| strides[axis] == 0 && shape[axis] > 1)
+        };
+        if flex_strides(tensor, DType::F32).is_none_or(|(_, strides)| shared_places(strides)) {
             *tensor = tensor.to_contiguous();
         }
         let (start, strides) = flex_strides(tensor, DType::F32)?;
@@ -229,14 +235,18 @@ fn flex_strides(
         return None;
     }
     let layout = tensor.layout();
-    let strides = layout.strides();
-    if strides.len() != 4 || strides[3] != 1 || strides.iter().any(|&s| s < 0) {
+    let (shape, strides) = (layout.shape(), layout.strides());
+    if strides.len() != 4 {
         return None;
     }
-    Some((
-        layout.start_offset(),
-        [0, 1, 2, 3].map(|axis| strides[axis] as usize),
-    ))
+    // An axis of length 1 is never stepped along, whatever its stride (a transposed
+    // `[.., 1, d]` has a last stride of d): its stride is read as 1.
+    let strides: [isize; 4] =
+        [0, 1, 2, 3].map(|axis| if shape[axis] == 1 { 1 } else { strides[axis] });
+    if strides[3] != 1 || strides.iter().any(|&s| s < 0) {
+        return None;
+    }
+    Some((layout.start_offset(), strides.map(|stride| stride as usize)))
 }
 
 /// A row-major copy of an ndarray view (of a layout the kernels do not read in place).
@@ -275,16 +285,24 @@ impl CpuStorage for burn::backend::NdArray {
             return None;
         };
         let array = storage.ensure_owned();
-        // Unique from here on (a shared buffer is copied: ndarray's copy-on-write), so that the
-        // strides read below are the ones written through.
+        // Unique from here on, so that the strides read below are the ones written through: a
+        // contiguous array's shared buffer is copied here (ndarray's copy-on-write), any other
+        // array is replaced by a standard-layout copy below.
         let contiguous = array.as_slice_memory_order_mut().is_some();
-        let strides = array.strides();
-        let usable = strides.len() == 4 && strides[3] == 1 && strides.iter().all(|&s| s >= 0);
+        // Strides as the readers take them (an axis of length 1 read as stride 1).
+        let read_strides = |array: &ndarray::ArcArray<f32, ndarray::IxDyn>| {
+            let (shape, strides) = (array.shape(), array.strides());
+            (strides.len() == 4)
+                .then(|| [0, 1, 2, 3].map(|axis| if shape[axis] == 1 { 1 } else { strides[axis] }))
+        };
+        let usable = read_strides(array).is_some_and(|s| s[3] == 1 && s.iter().all(|&s| s >= 0));
         if !contiguous || !usable {
             *array = standard_copy(array.view());
         }
-        let strides = array.strides();
-        let strides = [0, 1, 2, 3].map(|axis| strides[axis] as usize);
+        let strides = read_strides(array)?.map(|stride| stride as usize);
+        if strides[3] != 1 {
+            return None;
+        }
         let values = array.as_slice_memory_order_mut()?;
         Some(StridedMut { values, strides })
     }

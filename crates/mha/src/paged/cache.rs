@@ -696,7 +696,8 @@ impl PagedKvCache {
             // Written now: what it held can no longer be shared.
             self.prefixes.forget(block);
         }
-        // The copies first: a block copied from is shared, so no write of the step lands in it.
+        // The copies first, so that each reads its block as it was before the step, even the
+        // one its last sharer writes in place in this step.
         for sequence in &step.sequences {
             if let Some(BlockCopy { from, to }) = sequence.copy {
                 key_store = key_store.with_block_copied(from, to);

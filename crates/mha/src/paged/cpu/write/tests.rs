@@ -128,3 +128,33 @@ fn a_slot_outside_the_pool_is_refused() {
         BlockLayout::PositionMajor,
     );
 }
+
+#[test]
+fn a_broadcast_pool_is_written_through_a_copy_of_its_own() {
+    // Three blocks that share one place in memory (a stride of 0): a row written into one
+    // block must not show in the others.
+    let slots = vec![Slot {
+        row: 1,
+        block: 2,
+        offset: 3,
+    }];
+    for device in [Device::flex(), Device::ndarray()] {
+        let one_block: Tensor<4> = Tensor::zeros([1, 2, 4, 3], &device);
+        let broadcast = one_block.expand([3, 2, 4, 3]);
+        let PoolWrite::Written(written) = native_write(
+            broadcast,
+            &rows(&device),
+            slots.clone(),
+            BlockLayout::PositionMajor,
+        ) else {
+            panic!("{device:?} writes an f32 pool in place");
+        };
+        let values = elements(written);
+        let changed: Vec<usize> = (0..72).filter(|&i| values[i] != 0.0).collect();
+        // Block 2, position 3, both heads' three features.
+        let expected: Vec<usize> = (0..2)
+            .flat_map(|head| (0..3).map(move |feature| ((2 * 2 + head) * 4 + 3) * 3 + feature))
+            .collect();
+        assert_eq!(changed, expected, "{device:?}");
+    }
+}
