@@ -644,19 +644,23 @@ pub(crate) fn grown(buffer: &mut Vec<f32>, length: usize) -> &mut [f32] {
 /// The elements an ndarray view of rank 4 spans from its first one, and its strides, if all
 /// are non-negative and the last is 1.
 #[cfg(feature = "ndarray")]
-pub(crate) fn ndarray_elements<'a, E>(view: ndarray::ArrayViewD<'a, E>) -> Option<Strided<'a, E>> {
-    let (shape, strides) = (view.shape(), view.strides());
-    if strides.len() != 4 {
+/// A rank-4 tensor's strides as the in-place kernels take them: `None` unless all are
+/// non-negative and the last is 1. An axis of length 1 is never stepped along, so its stride,
+/// whatever it is, is read as 1 (a transposed `[.., 1, d]` keeps a last stride of d, on flex
+/// and in ndarray's standard layout alike).
+pub(crate) fn kernel_strides(shape: &[usize], strides: &[isize]) -> Option<[usize; 4]> {
+    if shape.len() != 4 || strides.len() != 4 {
         return None;
     }
-    // An axis of length 1 is never stepped along, whatever its stride (ndarray keeps a
-    // transposed `[.., 1, d]`'s last stride of d even in standard layout): read as 1.
     let strides: [isize; 4] =
         [0, 1, 2, 3].map(|axis| if shape[axis] == 1 { 1 } else { strides[axis] });
-    if strides[3] != 1 || strides.iter().any(|&s| s < 0) {
-        return None;
-    }
-    let strides = strides.map(|stride| stride as usize);
+    (strides[3] == 1 && strides.iter().all(|&s| s >= 0))
+        .then(|| strides.map(|stride| stride as usize))
+}
+
+pub(crate) fn ndarray_elements<'a, E>(view: ndarray::ArrayViewD<'a, E>) -> Option<Strided<'a, E>> {
+    let shape = view.shape();
+    let strides = kernel_strides(shape, view.strides())?;
     if view.is_empty() {
         return Some(Strided {
             values: &[],

@@ -7,7 +7,7 @@ use burn::backend::{Backend, DType, DispatchDevice, TensorMetadata};
 use burn::tensor::{Device, f16};
 
 use super::buffers::{self, BufferSource};
-use super::matrix::{HeadsView, Strided, StridedMut};
+use super::matrix::{HeadsView, Strided, StridedMut, kernel_strides};
 use crate::execution::FreshOutputs;
 
 /// A CPU backend whose float tensors the native kernels read and write in place.
@@ -235,18 +235,12 @@ fn flex_strides(
         return None;
     }
     let layout = tensor.layout();
-    let (shape, strides) = (layout.shape(), layout.strides());
-    if strides.len() != 4 {
+    if layout.strides().len() != 4 {
         return None;
     }
-    // An axis of length 1 is never stepped along, whatever its stride (a transposed
-    // `[.., 1, d]` has a last stride of d): its stride is read as 1.
-    let strides: [isize; 4] =
-        [0, 1, 2, 3].map(|axis| if shape[axis] == 1 { 1 } else { strides[axis] });
-    if strides[3] != 1 || strides.iter().any(|&s| s < 0) {
-        return None;
-    }
-    Some((layout.start_offset(), strides.map(|stride| stride as usize)))
+    let shape = [0, 1, 2, 3].map(|axis| layout.shape()[axis]);
+    let strides = kernel_strides(&shape, layout.strides())?;
+    Some((layout.start_offset(), strides))
 }
 
 /// A row-major copy of an ndarray view (of a layout the kernels do not read in place).
@@ -289,20 +283,10 @@ impl CpuStorage for burn::backend::NdArray {
         // contiguous array's shared buffer is copied here (ndarray's copy-on-write), any other
         // array is replaced by a standard-layout copy below.
         let contiguous = array.as_slice_memory_order_mut().is_some();
-        // Strides as the readers take them (an axis of length 1 read as stride 1).
-        let read_strides = |array: &ndarray::ArcArray<f32, ndarray::IxDyn>| {
-            let (shape, strides) = (array.shape(), array.strides());
-            (strides.len() == 4)
-                .then(|| [0, 1, 2, 3].map(|axis| if shape[axis] == 1 { 1 } else { strides[axis] }))
-        };
-        let usable = read_strides(array).is_some_and(|s| s[3] == 1 && s.iter().all(|&s| s >= 0));
-        if !contiguous || !usable {
+        if !contiguous || kernel_strides(array.shape(), array.strides()).is_none() {
             *array = standard_copy(array.view());
         }
-        let strides = read_strides(array)?.map(|stride| stride as usize);
-        if strides[3] != 1 {
-            return None;
-        }
+        let strides = kernel_strides(array.shape(), array.strides())?;
         let values = array.as_slice_memory_order_mut()?;
         Some(StridedMut { values, strides })
     }
