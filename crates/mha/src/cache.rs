@@ -11,6 +11,10 @@ use burn::tensor::{Bool, DType, Device, Int, Tensor};
 use crate::mask::Positions;
 
 mod storage;
+// Names burn-ndarray's deprecated backend type, as `cpu` does.
+#[allow(deprecated)]
+#[cfg(any(feature = "flex", feature = "ndarray"))]
+mod widen;
 
 pub use storage::CacheStorage;
 pub(crate) use storage::{
@@ -227,6 +231,30 @@ impl Stored {
             }
             Self::Int8 { values, scales } => dequantize_int8(values.clone(), scales.clone(), dtype),
         }
+    }
+
+    /// The stored positions in `dtype` with `new` (in `dtype`) after them: where f16 or int8
+    /// are widened to f32 on flex or ndarray, in one pass (`widen.rs`); elsewhere a conversion,
+    /// then a concatenation.
+    fn read_then(&self, new: &Tensor<4>, dtype: DType) -> Tensor<4> {
+        #[cfg(any(feature = "flex", feature = "ndarray"))]
+        {
+            let half;
+            let compressed = match self {
+                Self::Float { buffer, len } if buffer.dtype() == DType::F16 => {
+                    half = buffer.clone().narrow(2, 0, *len);
+                    Some(widen::Compressed::Half(&half))
+                }
+                Self::Float { .. } => None,
+                Self::Int8 { values, scales } => Some(widen::Compressed::Int8 { values, scales }),
+            };
+            if let Some(widened) =
+                compressed.and_then(|stored| widen::widened_then_rows(stored, new))
+            {
+                return widened;
+            }
+        }
+        Tensor::cat(vec![self.read(dtype), new.clone()], 2)
     }
 
     /// These positions, then `other`'s. A float buffer that must grow keeps room for up to as
@@ -581,8 +609,8 @@ impl KvCache {
         match (&self.key, &self.value) {
             (Some(past_key), Some(past_value)) if !(exact(&self.key) && exact(&self.value)) => {
                 Some((
-                    Tensor::cat(vec![past_key.read(dtype), key.clone()], 2),
-                    Tensor::cat(vec![past_value.read(dtype), value.clone()], 2),
+                    past_key.read_then(key, dtype),
+                    past_value.read_then(value, dtype),
                 ))
             }
             (None, _) | (_, None) => Some((key.clone(), value.clone())),

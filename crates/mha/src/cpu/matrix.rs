@@ -641,9 +641,6 @@ pub(crate) fn grown(buffer: &mut Vec<f32>, length: usize) -> &mut [f32] {
     &mut buffer[..length]
 }
 
-/// The elements an ndarray view of rank 4 spans from its first one, and its strides, if all
-/// are non-negative and the last is 1.
-#[cfg(feature = "ndarray")]
 /// A rank-4 tensor's strides as the in-place kernels take them: `None` unless all are
 /// non-negative and the last is 1. An axis of length 1 is never stepped along, so its stride,
 /// whatever it is, is read as 1 (a transposed `[.., 1, d]` keeps a last stride of d, on flex
@@ -658,6 +655,9 @@ pub(crate) fn kernel_strides(shape: &[usize], strides: &[isize]) -> Option<[usiz
         .then(|| strides.map(|stride| stride as usize))
 }
 
+/// The elements an ndarray view of rank 4 spans from its first one, and its strides, if all
+/// are non-negative and the last is 1.
+#[cfg(feature = "ndarray")]
 pub(crate) fn ndarray_elements<'a, E>(view: ndarray::ArrayViewD<'a, E>) -> Option<Strided<'a, E>> {
     let shape = view.shape();
     let strides = kernel_strides(shape, view.strides())?;
