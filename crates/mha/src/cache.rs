@@ -1,16 +1,18 @@
 //! Key/value caches for incremental decoding: projected keys and values are stored, never
 //! queries, so a step that feeds `n` new tokens costs `O(n · cached length)`. A cache may keep
 //! every position, a fixed number, a sliding window, or a window with the first positions
-//! pinned (StreamingLLM's attention sinks); in f32 or in int8 with per-position scales.
+//! pinned (StreamingLLM's attention sinks); in f32, f16, or int8 with per-position scales
+//! (`stored.rs`).
 
 use core::fmt;
 
 use burn::module::ParamId;
-use burn::tensor::{Bool, DType, Device, Int, Tensor};
+use burn::tensor::{Bool, DType, Device, Tensor};
 
 use crate::mask::Positions;
 
 mod storage;
+mod stored;
 // Names burn-ndarray's deprecated backend type, as `cpu` does.
 #[allow(deprecated)]
 #[cfg(any(feature = "flex", feature = "ndarray"))]
@@ -20,6 +22,7 @@ pub use storage::CacheStorage;
 pub(crate) use storage::{
     Quantized, beyond_half_range, dequantize_int8, in_dtype, quantize_int8, storage_unsupported,
 };
+use stored::Stored;
 
 /// How many key/value positions a [`KvCache`] keeps.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -164,189 +167,6 @@ pub struct KvCache {
     owner: Option<CacheOwner>,
 }
 
-/// Stored keys or values, `[batch, heads, stored, dim]`.
-#[derive(Debug, Clone)]
-// The int8 variant holds two tensors; the enum lives in a cache, two per layer, never in bulk.
-#[allow(clippy::large_enum_variant)]
-enum Stored {
-    /// Positions `0..len` of `buffer`, whose axis 2 has room for more: appending writes into
-    /// the spare positions in place (a uniquely held buffer on flex), so that a decoding step
-    /// copies only its own keys, not the whole cache, until the buffer doubles.
-    Float { buffer: Tensor<4>, len: usize },
-    /// Values in i8 and one scale per position and head, `[batch, heads, stored, 1]`.
-    Int8 {
-        values: Tensor<4, Int>,
-        scales: Tensor<4>,
-    },
-}
-
-impl Stored {
-    fn new(tensor: Tensor<4>, storage: CacheStorage) -> Self {
-        match storage {
-            CacheStorage::Float => Self::Float {
-                len: tensor.dims()[2],
-                buffer: tensor,
-            },
-            CacheStorage::Int8 => {
-                let Quantized { values, scales } = quantize_int8(tensor);
-                Self::Int8 { values, scales }
-            }
-            CacheStorage::Half => Self::Float {
-                len: tensor.dims()[2],
-                buffer: in_dtype(tensor, DType::F16),
-            },
-        }
-    }
-
-    fn len(&self) -> usize {
-        match self {
-            Self::Float { len, .. } => *len,
-            Self::Int8 { scales, .. } => scales.dims()[2],
-        }
-    }
-
-    fn batch(&self) -> usize {
-        match self {
-            Self::Float { buffer, .. } => buffer.dims()[0],
-            Self::Int8 { scales, .. } => scales.dims()[0],
-        }
-    }
-
-    /// Whether the positions are stored as floats of `dtype` (what [`Stored::read`] returns
-    /// without a conversion).
-    fn is_float_in(&self, dtype: DType) -> bool {
-        matches!(self, Self::Float { buffer, .. } if buffer.dtype() == dtype)
-    }
-
-    /// The stored positions as floats, in `dtype`.
-    fn read(&self, dtype: DType) -> Tensor<4> {
-        match self {
-            Self::Float { buffer, len } => {
-                let stored = if buffer.dims()[2] == *len {
-                    buffer.clone()
-                } else {
-                    buffer.clone().narrow(2, 0, *len)
-                };
-                in_dtype(stored, dtype)
-            }
-            Self::Int8 { values, scales } => dequantize_int8(values.clone(), scales.clone(), dtype),
-        }
-    }
-
-    /// The stored positions in `dtype` with `new` (in `dtype`) after them: where f16 or int8
-    /// are widened to f32 on flex or ndarray, in one pass (`widen.rs`); elsewhere a conversion,
-    /// then a concatenation.
-    fn read_then(&self, new: &Tensor<4>, dtype: DType) -> Tensor<4> {
-        #[cfg(any(feature = "flex", feature = "ndarray"))]
-        {
-            let half;
-            let compressed = match self {
-                Self::Float { buffer, len } if buffer.dtype() == DType::F16 => {
-                    half = buffer.clone().narrow(2, 0, *len);
-                    Some(widen::Compressed::Half(&half))
-                }
-                Self::Float { .. } => None,
-                Self::Int8 { values, scales } => Some(widen::Compressed::Int8 { values, scales }),
-            };
-            if let Some(widened) =
-                compressed.and_then(|stored| widen::widened_then_rows(stored, new))
-            {
-                return widened;
-            }
-        }
-        Tensor::cat(vec![self.read(dtype), new.clone()], 2)
-    }
-
-    /// These positions, then `other`'s. A float buffer that must grow keeps room for up to as
-    /// many positions again, but never more than `max_positions` in all.
-    fn cat(self, other: Self, max_positions: usize) -> Self {
-        match (self, other) {
-            (
-                Self::Float { buffer, len },
-                Self::Float {
-                    buffer: new,
-                    len: new_len,
-                },
-            ) => {
-                let new = new.narrow(2, 0, new_len);
-                let [batch, heads, capacity, dim] = buffer.dims();
-                let total = len + new_len;
-                if total <= capacity {
-                    let buffer = buffer.slice_assign([0..batch, 0..heads, len..total, 0..dim], new);
-                    return Self::Float { buffer, len: total };
-                }
-                let spare = (2 * capacity).min(max_positions).max(total) - total;
-                let mut parts = vec![buffer.narrow(2, 0, len), new];
-                if spare > 0 {
-                    let zeros = Tensor::zeros(
-                        [batch, heads, spare, dim],
-                        (&parts[0].device(), parts[0].dtype()),
-                    );
-                    parts.push(zeros);
-                }
-                Self::Float {
-                    buffer: Tensor::cat(parts, 2),
-                    len: total,
-                }
-            }
-            (
-                Self::Int8 { values, scales },
-                Self::Int8 {
-                    values: new_values,
-                    scales: new_scales,
-                },
-            ) => Self::Int8 {
-                values: Tensor::cat(vec![values, new_values], 2),
-                scales: Tensor::cat(vec![scales, new_scales], 2),
-            },
-            _ => unreachable!("one cache has one storage"),
-        }
-    }
-
-    /// Positions `ranges` (in order), concatenated.
-    fn select(self, ranges: &[(usize, usize)]) -> Self {
-        let pick = |tensor: Tensor<4>| {
-            Tensor::cat(
-                ranges
-                    .iter()
-                    .map(|&(start, len)| tensor.clone().narrow(2, start, len))
-                    .collect(),
-                2,
-            )
-        };
-        match self {
-            Self::Float { buffer, len } => {
-                let buffer = pick(buffer.narrow(2, 0, len));
-                Self::Float {
-                    len: buffer.dims()[2],
-                    buffer,
-                }
-            }
-            Self::Int8 { values, scales } => Self::Int8 {
-                values: Tensor::cat(
-                    ranges
-                        .iter()
-                        .map(|&(start, len)| values.clone().narrow(2, start, len))
-                        .collect(),
-                    2,
-                ),
-                scales: pick(scales),
-            },
-        }
-    }
-
-    /// Bytes the stored tensors take.
-    fn bytes(&self) -> usize {
-        let size = |dims: [usize; 4], dtype: DType| dims.iter().product::<usize>() * dtype.size();
-        match self {
-            Self::Float { buffer, .. } => size(buffer.dims(), buffer.dtype()),
-            Self::Int8 { values, scales } => {
-                size(values.dims(), values.dtype()) + size(scales.dims(), scales.dtype())
-            }
-        }
-    }
-}
-
 /// Which attention module filled a cache: its key projection's parameter id and its head
 /// sizes. A cache is refused by any other module.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -454,8 +274,8 @@ impl KvCache {
         self.key.as_ref().map_or(0, Stored::len)
     }
 
-    /// Bytes the key and value buffers take (padding not counted); a float cache's buffers
-    /// keep room for as many positions again as they hold at most, so that appending does not
+    /// Bytes the key and value buffers take (padding not counted); a float or int8 cache's
+    /// buffers keep room for as many positions again as they hold at most, so that appending does not
     /// copy the cache at every step.
     pub fn bytes(&self) -> usize {
         [&self.key, &self.value]
@@ -641,6 +461,12 @@ impl KvCache {
     /// Stores `key`, `value` and their padding, less what a window no longer needs.
     fn keep(&mut self, key: Stored, value: Stored, padding: Option<Tensor<2, Bool>>) {
         match self.kept(key.len()) {
+            // A window of 1 (without sinks) keeps nothing: each query sees only itself.
+            Some(ranges) if ranges.is_empty() => {
+                self.padding = None;
+                self.key = None;
+                self.value = None;
+            }
             Some(ranges) => {
                 self.padding = padding.map(|padding| {
                     Tensor::cat(

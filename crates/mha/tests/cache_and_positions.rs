@@ -167,24 +167,26 @@ fn sliding_window_cache_equals_banded_attention_and_evicts() {
             .with_rope(Some(RopeConfig::new()))
             .init(&device);
         let x = randn([1, 10, 8], &device);
-        let window = 4;
-        let full = module
-            .forward(MhaInput::self_attn(x.clone()).attn_mask(band_mask(10, window, &device)))
-            .context;
-        for chunks in [vec![1; 10], vec![3, 1, 4, 2]] {
-            let mut cache = KvCache::with_limit(CacheLimit::SlidingWindow(window));
-            let decoded = decode(&module, &x, &chunks, &mut cache);
-            assert!(
-                cache.stored() < window,
-                "{name}: evicted down to window - 1"
-            );
-            assert_eq!(cache.len(), 10);
-            assert_close(
-                &format!("{name}: sliding {chunks:?}"),
-                decoded,
-                full.clone(),
-                tolerance(name),
-            );
+        // A window of 1 keeps nothing between steps (it panicked concatenating no positions).
+        for window in [4, 1] {
+            let full = module
+                .forward(MhaInput::self_attn(x.clone()).attn_mask(band_mask(10, window, &device)))
+                .context;
+            for chunks in [vec![1; 10], vec![3, 1, 4, 2]] {
+                let mut cache = KvCache::with_limit(CacheLimit::SlidingWindow(window));
+                let decoded = decode(&module, &x, &chunks, &mut cache);
+                assert!(
+                    cache.stored() < window,
+                    "{name}: evicted down to window - 1"
+                );
+                assert_eq!(cache.len(), 10);
+                assert_close(
+                    &format!("{name}: sliding window {window} {chunks:?}"),
+                    decoded,
+                    full.clone(),
+                    tolerance(name),
+                );
+            }
         }
     }
 }
@@ -885,38 +887,50 @@ fn segment_ids_under_a_cache_are_refused_clearly() {
     assert!(message.contains("`segment_ids`"), "{message}");
 }
 
-/// A float cache keeps room to append in place: it never holds more than twice the positions
-/// it stores (once past its first step), nor more than a fixed capacity allows, and its
+/// A float or int8 cache keeps room to append in place: it never holds more than twice the
+/// positions it stores (once past its first step), nor more than a fixed capacity allows, and
+/// it does hold spare positions (appending copies only the step's rows until they run out); its
 /// outputs stay those of the full forward (see the decoding tests above).
 #[test]
-fn float_cache_reserves_at_most_its_size_again_and_never_past_a_fixed_capacity() {
+fn caches_reserve_at_most_their_size_again_and_never_past_a_fixed_capacity() {
     let device = Device::flex();
     let module = MultiHeadAttentionConfig::new(16, 4)
         .with_n_kv_heads(Some(2))
         .init(&device);
-    // Keys and values of one position: batch 1, 2 heads of 4 features, f32.
-    let per_position = 2 * 2 * 4 * 4;
-    for limit in [CacheLimit::Unbounded, CacheLimit::Fixed(40)] {
-        let mut cache = KvCache::with_limit(limit);
-        for step in 0..40 {
-            let new = if step == 0 { 3 } else { 1 };
-            if cache.len() + new > 40 {
-                break;
+    // Keys and values of one position: batch 1, 2 heads of 4 features, in f32, or in i8 with
+    // an f32 scale per head.
+    for (storage, per_position) in [
+        (CacheStorage::Float, 2 * 2 * 4 * 4),
+        (CacheStorage::Int8, 2 * 2 * (4 + 4)),
+    ] {
+        for limit in [CacheLimit::Unbounded, CacheLimit::Fixed(40)] {
+            let mut cache = KvCache::with_limit(limit).with_storage(storage);
+            let mut spare_seen = false;
+            for step in 0..40 {
+                let new = if step == 0 { 3 } else { 1 };
+                if cache.len() + new > 40 {
+                    break;
+                }
+                module
+                    .forward_cached(
+                        MhaInput::self_attn(randn([1, new, 16], &device)).causal(),
+                        &mut cache,
+                    )
+                    .expect("room in the cache");
+                let (held, stored) = (cache.bytes() / per_position, cache.stored());
+                assert!(
+                    held >= stored && held <= 2 * stored,
+                    "{storage:?} {limit:?}: {held} positions held for {stored} stored"
+                );
+                spare_seen |= held > stored;
+                if let CacheLimit::Fixed(capacity) = limit {
+                    assert!(held <= capacity, "{held} positions held past the capacity");
+                }
             }
-            module
-                .forward_cached(
-                    MhaInput::self_attn(randn([1, new, 16], &device)).causal(),
-                    &mut cache,
-                )
-                .expect("room in the cache");
-            let (held, stored) = (cache.bytes() / per_position, cache.stored());
             assert!(
-                held >= stored && held <= 2 * stored,
-                "{limit:?}: {held} positions held for {stored} stored"
+                spare_seen,
+                "{storage:?} {limit:?}: no room kept to append in place"
             );
-            if let CacheLimit::Fixed(capacity) = limit {
-                assert!(held <= capacity, "{held} positions held past the capacity");
-            }
         }
     }
 }

@@ -11,9 +11,9 @@ pub enum CacheStorage {
     #[default]
     Float,
     /// int8, with one f32 scale per position and head (`max |x| / 127`), dequantized for each
-    /// step's attention (on flex and ndarray in one pass with the step's rows): 1 + 4 / head_dim bytes per element instead of 4 (3.76 times as many
-    /// positions in the same memory at a head width of 64). The step's own new keys are used
-    /// unquantized.
+    /// step's attention (on flex and ndarray in one pass with the step's rows): 1 + 4 /
+    /// head_dim bytes per element instead of 4 (3.76 times as many positions in the same memory
+    /// at a head width of 64). The step's own new keys are used unquantized.
     Int8,
     /// f16 (IEEE half precision): half the bytes of f32, a relative rounding of at most
     /// 2^-11 per element. A step whose new keys or values reach beyond f16's range (±65504)

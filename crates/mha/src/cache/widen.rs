@@ -158,7 +158,7 @@ fn then_rows<B: CpuStorage>(
 /// device is flex or ndarray outside autodiff; `None` elsewhere (the caller uses tensor ops).
 pub(crate) fn widened_then_rows(stored: Compressed, rows: &Tensor<4>) -> Option<Tensor<4>> {
     let device = rows.device();
-    let scales_f32 = match stored {
+    let stored_as_expected = match stored {
         Compressed::Half(positions) => positions.dtype() == DType::F16,
         Compressed::Int8 { values, scales } => {
             values.dtype() == DType::I8 && scales.dtype() == DType::F32
@@ -167,7 +167,7 @@ pub(crate) fn widened_then_rows(stored: Compressed, rows: &Tensor<4>) -> Option<
     if !(native_storage(&device)
         && !device.is_autodiff()
         && rows.dtype() == DType::F32
-        && scales_f32)
+        && stored_as_expected)
     {
         return None;
     }
@@ -185,20 +185,24 @@ pub(crate) fn widened_then_rows(stored: Compressed, rows: &Tensor<4>) -> Option<
     Some(Tensor::from_dispatch(widened))
 }
 
-#[cfg(test)]
+// The tests run on both backends.
+#[cfg(all(test, feature = "flex", feature = "ndarray"))]
 mod tests {
     use burn::tensor::{Device, Distribution, Tensor};
 
     use super::*;
     use crate::cache::storage::{dequantize_int8, quantize_int8};
 
-    /// The stored positions, a `[batch, heads, stored, dim]` view of a buffer with room for
-    /// more (as a float cache keeps them), and a step's rows in the heads layout the
-    /// projections give (`[batch, new, heads, dim]` memory).
-    fn stored_and_rows(shape: [usize; 4], new: usize, device: &Device) -> (Tensor<4>, Tensor<4>) {
+    /// Spare positions after the stored ones in the buffers the tests read.
+    const SPARE: usize = 3;
+
+    /// A buffer of `[batch, heads, stored + SPARE, dim]` (the caller converts it, then reads
+    /// its first `stored` positions, as a cache with room to append does), and a step's rows in
+    /// the heads layout the projections give (`[batch, new, heads, dim]` memory).
+    fn buffer_and_rows(shape: [usize; 4], new: usize, device: &Device) -> (Tensor<4>, Tensor<4>) {
         let [batch, heads, stored, dim] = shape;
         let buffer = Tensor::random(
-            [batch, heads, stored + 3, dim],
+            [batch, heads, stored + SPARE, dim],
             Distribution::Normal(0.0, 1.0),
             device,
         );
@@ -207,7 +211,7 @@ mod tests {
             Distribution::Normal(0.0, 1.0),
             device,
         );
-        (buffer.narrow(2, 0, stored), rows.swap_dims(1, 2))
+        (buffer, rows.swap_dims(1, 2))
     }
 
     fn assert_same(actual: Tensor<4>, expected: Tensor<4>, what: &str) {
@@ -227,14 +231,15 @@ mod tests {
         );
     }
 
-    /// f16 positions widened with the step's rows after them equal the cast and the
-    /// concatenation, bit for bit, below and above the size that goes parallel.
+    /// f16 positions (a view of a buffer with spare positions) widened with the step's rows
+    /// after them equal the cast and the concatenation, bit for bit, below and above the size
+    /// that goes parallel.
     #[test]
     fn half_positions_then_rows_equal_the_tensor_ops() {
         let device = Device::flex();
-        for shape in [[2, 3, 5, 4], [1, 2, 4096, 128], [1, 1, 1, 8]] {
-            let (stored, rows) = stored_and_rows(shape, 2, &device);
-            let stored = stored.cast(DType::F16);
+        for shape in [[2, 3, 5, 4], [2, 2, 2048, 128], [1, 1, 1, 8]] {
+            let (buffer, rows) = buffer_and_rows(shape, 2, &device);
+            let stored = buffer.cast(DType::F16).narrow(2, 0, shape[2]);
             let actual = widened_then_rows(Compressed::Half(&stored), &rows)
                 .expect("flex widens f16 positions");
             let expected = Tensor::cat(vec![stored.clone().cast(DType::F32), rows], 2);
@@ -250,19 +255,19 @@ mod tests {
         #[allow(deprecated)]
         let devices = [Device::flex(), Device::ndarray()];
         for device in devices {
-            for shape in [[2, 3, 5, 4], [1, 2, 4096, 128]] {
-                let (stored, rows) = stored_and_rows(shape, 3, &device);
-                let quantized = quantize_int8(stored);
+            for shape in [[2, 3, 5, 4], [2, 2, 2048, 128]] {
+                let (buffer, rows) = buffer_and_rows(shape, 3, &device);
+                let quantized = quantize_int8(buffer);
+                let (values, scales) = (
+                    quantized.values.narrow(2, 0, shape[2]),
+                    quantized.scales.narrow(2, 0, shape[2]),
+                );
                 let stored = Compressed::Int8 {
-                    values: &quantized.values,
-                    scales: &quantized.scales,
+                    values: &values,
+                    scales: &scales,
                 };
                 let actual = widened_then_rows(stored, &rows).expect("the CPU backends widen int8");
-                let dequantized = dequantize_int8(
-                    quantized.values.clone(),
-                    quantized.scales.clone(),
-                    DType::F32,
-                );
+                let dequantized = dequantize_int8(values.clone(), scales.clone(), DType::F32);
                 let expected = Tensor::cat(vec![dequantized, rows], 2);
                 assert_same(actual, expected, &format!("int8 {shape:?} on {device:?}"));
             }
@@ -273,8 +278,8 @@ mod tests {
     #[test]
     fn autodiff_devices_are_left_to_the_tensor_ops() {
         let device = Device::flex().autodiff();
-        let (stored, rows) = stored_and_rows([1, 2, 3, 4], 1, &device);
-        let stored = stored.cast(DType::F16);
+        let (buffer, rows) = buffer_and_rows([1, 2, 3, 4], 1, &device);
+        let stored = buffer.cast(DType::F16).narrow(2, 0, 3);
         assert!(widened_then_rows(Compressed::Half(&stored), &rows).is_none());
     }
 }
