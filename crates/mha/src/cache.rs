@@ -165,6 +165,9 @@ pub struct KvCache {
     storage: CacheStorage,
     /// The module whose keys and values the cache holds, once a step stored some.
     owner: Option<CacheOwner>,
+    /// The steps' batch size, once a step was taken (a window of 1 stores no position to
+    /// read it from).
+    batch: Option<usize>,
 }
 
 /// Which attention module filled a cache: its key projection's parameter id and its head
@@ -242,6 +245,7 @@ impl KvCache {
             limit,
             storage: CacheStorage::Float,
             owner: None,
+            batch: None,
         }
     }
 
@@ -274,9 +278,9 @@ impl KvCache {
         self.key.as_ref().map_or(0, Stored::len)
     }
 
-    /// Bytes the key and value buffers take (padding not counted); a float or int8 cache's
-    /// buffers keep room for as many positions again as they hold at most, so that appending does not
-    /// copy the cache at every step.
+    /// Bytes the key and value buffers take (padding not counted); a cache's buffers keep room
+    /// for as many positions again as they hold at most (none under a window), so that
+    /// appending does not copy the cache at every step.
     pub fn bytes(&self) -> usize {
         [&self.key, &self.value]
             .into_iter()
@@ -301,7 +305,7 @@ impl KvCache {
     }
 
     fn batch(&self) -> Option<usize> {
-        self.key.as_ref().map(Stored::batch)
+        self.batch
     }
 
     /// Keys at the front that are pinned (a streaming cache's sinks), of the first `keys`
@@ -407,6 +411,7 @@ impl KvCache {
             attended.unwrap_or_else(|| (key.read(dtype), value.read(dtype)));
         self.seen += step.new;
         self.owner = Some(step.owner);
+        self.batch = Some(key.batch());
         self.keep(key, value, step.padding);
         (attended_key, attended_value)
     }

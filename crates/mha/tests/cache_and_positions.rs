@@ -191,6 +191,77 @@ fn sliding_window_cache_equals_banded_attention_and_evicts() {
     }
 }
 
+/// A window of 1 keeps no position between steps, and still refuses a batch size change (it
+/// read the batch from the stored keys, and had none to read).
+#[test]
+fn a_window_of_one_stores_nothing_and_still_refuses_a_batch_change() {
+    let device = Device::flex();
+    let module = MultiHeadAttentionConfig::new(8, 2).init(&device);
+    for limit in [
+        CacheLimit::SlidingWindow(1),
+        CacheLimit::StreamingWindow {
+            sinks: 0,
+            window: 1,
+        },
+    ] {
+        let mut cache = KvCache::with_limit(limit);
+        module
+            .forward_cached(
+                MhaInput::self_attn(randn([2, 3, 8], &device)).causal(),
+                &mut cache,
+            )
+            .unwrap();
+        assert_eq!((cache.len(), cache.stored(), cache.bytes()), (3, 0, 0));
+        let other_batch =
+            module.forward_cached(MhaInput::self_attn(randn([3, 1, 8], &device)), &mut cache);
+        assert_eq!(
+            other_batch.unwrap_err(),
+            CacheError::BatchChanged { cached: 2, new: 3 },
+            "{limit:?}"
+        );
+    }
+}
+
+/// A cache's clone goes its own way: appending in place into one never writes into the
+/// other's buffers (flex copies a shared buffer before writing), in f32 and int8.
+#[test]
+fn a_cloned_cache_and_its_original_append_independently() {
+    let device = Device::flex();
+    let _seed = common::seed(&device, 27);
+    let module = MultiHeadAttentionConfig::new(16, 4)
+        .with_n_kv_heads(Some(2))
+        .init(&device);
+    let step = |x: &Tensor<3>, cache: &mut KvCache| {
+        module
+            .forward_cached(MhaInput::self_attn(x.clone()).causal(), cache)
+            .unwrap()
+            .context
+    };
+    let (prompt, first, other, next) = (
+        randn([1, 4, 16], &device),
+        randn([1, 1, 16], &device),
+        randn([1, 1, 16], &device),
+        randn([1, 1, 16], &device),
+    );
+    for storage in [CacheStorage::Float, CacheStorage::Int8] {
+        let mut original = KvCache::new().with_storage(storage);
+        step(&prompt, &mut original);
+        let mut clone = original.clone();
+        // The clone appends `first`, then the original appends `other` at the same position.
+        step(&first, &mut clone);
+        step(&other, &mut original);
+        let mut reference = KvCache::new().with_storage(storage);
+        step(&prompt, &mut reference);
+        step(&first, &mut reference);
+        assert_close(
+            &format!("{storage:?}: the clone after the original appended"),
+            step(&next, &mut clone),
+            step(&next, &mut reference),
+            1e-6,
+        );
+    }
+}
+
 #[test]
 fn capacity_and_batch_changes_are_refused_and_leave_the_cache_unchanged() {
     let device = Device::flex();

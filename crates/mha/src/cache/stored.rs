@@ -230,4 +230,3 @@ fn picked<K: Basic>(buffer: &Tensor<4, K>, ranges: &[(usize, usize)]) -> Tensor<
         2,
     )
 }
-

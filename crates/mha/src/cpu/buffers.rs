@@ -112,6 +112,7 @@ pub fn set_huge_pages(enabled: bool) {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum BufferSource {
     /// The pool, to which the backend's tensors give their buffers back (flex).
+    #[cfg_attr(not(feature = "flex"), allow(dead_code))]
     Pool,
     /// The allocator: the backend's tensors free their buffers (ndarray).
     #[cfg_attr(not(feature = "ndarray"), allow(dead_code))]
@@ -197,6 +198,7 @@ impl Pool {
 
     /// Keeps `buffer`; returns the oldest buffers, which the pool no longer holds, so that it
     /// holds at most `limit` bytes.
+    #[cfg_attr(not(feature = "flex"), allow(dead_code))]
     fn keep(&mut self, buffer: Vec<f32>, limit: usize) -> Vec<Vec<f32>> {
         self.bytes += bytes_of(&buffer);
         self.idle.push(buffer);
@@ -240,6 +242,7 @@ fn take(length: usize) -> Option<Vec<f32>> {
 /// Keeps `buffer` for a later call if it has a size class's capacity of [`MIN_BYTES`] or more
 /// and fits the limit; the oldest idle buffers go back to the allocator when the pool would
 /// hold more than the limit.
+#[cfg_attr(not(feature = "flex"), allow(dead_code))]
 pub(crate) fn give_back(buffer: Vec<f32>) {
     let (capacity, bytes, limit) = (buffer.capacity(), bytes_of(&buffer), limit());
     if bytes < MIN_BYTES || bytes > limit || capacity != size_class(capacity) {

@@ -2,8 +2,10 @@
 //! (strided slices, no copy where the layout allows) and write it (a kernel's buffer handed
 //! over as the tensor's storage).
 
+#[cfg(feature = "flex")]
+use burn::backend::DType;
 use burn::backend::tensor::{FloatTensor, IntTensor};
-use burn::backend::{Backend, DType, DispatchDevice, TensorMetadata};
+use burn::backend::{Backend, DispatchDevice, TensorMetadata};
 use burn::tensor::{Device, f16};
 
 use super::buffers::{self, BufferSource};
