@@ -4,13 +4,24 @@
 
 use burn::tensor::Tensor;
 
-use crate::cache::{CacheError, CacheStorage, CrossAttentionCache, KvCache, beyond_half_range};
+use crate::cache::{
+    CacheError, CacheLimit, CacheStorage, CrossAttentionCache, KvCache, beyond_half_range,
+};
 use crate::input::{AttentionPath, MhaInput, MhaOutput, NeedWeights};
 use crate::mask::Visibility;
 use crate::module::{MultiHeadAttention, RopeStarts, Sequences};
 use crate::shape::check_shape;
 
 impl MultiHeadAttention {
+    /// An empty [`KvCache`] for this module: with a `window`, one that keeps only the positions
+    /// a next query still sees ([`CacheLimit::SlidingWindow`]); without, every position.
+    pub(crate) fn new_cache(&self) -> KvCache {
+        match self.window {
+            Some(window) => KvCache::with_limit(CacheLimit::SlidingWindow(window)),
+            None => KvCache::new(),
+        }
+    }
+
     /// Incremental self-attention: `input` holds **only the new tokens** (as query, key and
     /// value), whose keys and values are appended to `cache`. Each new query attends to every
     /// cached position and to the new ones its masks allow — with `.causal()`, new token `i`

@@ -138,12 +138,20 @@ impl RopeConfig {
     }
 }
 
+/// Positions the cos/sin table covers at most: 32 MiB at a head width of 128 in f32. Angles
+/// past it are computed for the positions a call needs, so that a stream decoded for millions
+/// of tokens (under a sliding or streaming window, whose cache stays small) does not grow the
+/// table with its absolute position.
+const TABLE_POSITIONS: usize = 1 << 16;
+
 /// A [`RopeConfig`] in use: the configuration and its cos/sin table, computed once per device,
-/// float type and length (grown by doubling) instead of at every call.
+/// float type and length (grown by doubling, up to `table_positions`) instead of at every call.
 #[derive(Debug, Clone)]
 pub(crate) struct Rope {
     pub config: RopeConfig,
     table: Arc<Mutex<Option<Table>>>,
+    /// [`TABLE_POSITIONS`], or fewer where a test sets it.
+    table_positions: usize,
 }
 
 /// `cos` and `sin` of positions `0..len`, `[len, head_dim / 2]` each.
@@ -159,9 +167,15 @@ struct Table {
 
 impl Rope {
     pub fn new(config: RopeConfig) -> Self {
+        Self::with_table_positions(config, TABLE_POSITIONS)
+    }
+
+    /// A `Rope` whose table covers at most `positions` positions (the tests' seam).
+    fn with_table_positions(config: RopeConfig, positions: usize) -> Self {
         Self {
             config,
             table: Arc::new(Mutex::new(None)),
+            table_positions: positions,
         }
     }
 
@@ -174,6 +188,10 @@ impl Rope {
         device: &Device,
         dtype: DType,
     ) -> (Tensor<2>, Tensor<2>) {
+        if start + seq > self.table_positions {
+            let positions: Vec<usize> = (start..start + seq).collect();
+            return angles_at(&self.config, head_dim, &positions, device, dtype);
+        }
         let mut table = self
             .table
             .lock()
@@ -185,7 +203,10 @@ impl Rope {
                 && table.len >= start + seq
         });
         if !fits {
-            let len = (start + seq).next_power_of_two().max(64);
+            let len = (start + seq)
+                .next_power_of_two()
+                .max(64)
+                .min(self.table_positions);
             *table = Some(Table::new(&self.config, head_dim, len, device, dtype));
         }
         let table = table.as_ref().expect("made above");
@@ -226,6 +247,10 @@ impl Rope {
         );
         let device = x.device();
         let end = positions.iter().max().map_or(0, |&last| last + 1);
+        if end > self.table_positions {
+            let (cos, sin) = angles_at(&self.config, head_dim, positions, &device, x.dtype());
+            return self.rotate(x, cos, sin);
+        }
         let (cos, sin) = self.angles(head_dim, 0, end, &device, x.dtype());
         let indices = Tensor::<1, Int>::from_data(
             TensorData::new(
@@ -276,26 +301,43 @@ impl Table {
         device: &Device,
         dtype: DType,
     ) -> Self {
-        let frequencies = config.frequencies(head_dim);
-        let half = head_dim / 2;
-        let mut cos = Vec::with_capacity(len * half);
-        let mut sin = Vec::with_capacity(len * half);
-        for position in 0..len {
-            for frequency in &frequencies {
-                let angle = position as f64 * frequency;
-                cos.push(angle.cos());
-                sin.push(angle.sin());
-            }
-        }
+        let positions: Vec<usize> = (0..len).collect();
+        let (cos, sin) = angles_at(config, head_dim, &positions, device, dtype);
         Self {
             device: device.clone(),
             dtype,
             head_dim,
             len,
-            cos: Tensor::from_data(TensorData::new(cos, [len, half]), (device, dtype)),
-            sin: Tensor::from_data(TensorData::new(sin, [len, half]), (device, dtype)),
+            cos,
+            sin,
         }
     }
+}
+
+/// `cos` and `sin` of `positions`, `[positions, head_dim / 2]` each: the angles in f64, then in
+/// `dtype`, the same values whether a table holds them or a call computes them.
+fn angles_at(
+    config: &RopeConfig,
+    head_dim: usize,
+    positions: &[usize],
+    device: &Device,
+    dtype: DType,
+) -> (Tensor<2>, Tensor<2>) {
+    let frequencies = config.frequencies(head_dim);
+    let (rows, half) = (positions.len(), head_dim / 2);
+    let mut cos = Vec::with_capacity(rows * half);
+    let mut sin = Vec::with_capacity(rows * half);
+    for &position in positions {
+        for frequency in &frequencies {
+            let angle = position as f64 * frequency;
+            cos.push(angle.cos());
+            sin.push(angle.sin());
+        }
+    }
+    (
+        Tensor::from_data(TensorData::new(cos, [rows, half]), (device, dtype)),
+        Tensor::from_data(TensorData::new(sin, [rows, half]), (device, dtype)),
+    )
 }
 
 impl RopeConfig {
@@ -313,7 +355,7 @@ impl RopeConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use burn::tensor::Tolerance;
+    use burn::tensor::{Distribution, Tolerance};
 
     fn x(device: &Device) -> Tensor<4> {
         Tensor::<1>::from_data([5.0, 6.0, 7.0, 8.0], device).reshape([1, 1, 1, 4])
@@ -424,6 +466,31 @@ mod tests {
             Tolerance::absolute(1e-6),
         );
         assert_eq!(rope.table.lock().unwrap().as_ref().unwrap().len, 256);
+    }
+
+    /// Past the table's positions the angles are computed per call, the table stops growing,
+    /// and the rotations are those the table gives, bit for bit (contiguous and ragged rows).
+    #[test]
+    fn positions_past_the_table_rotate_as_the_table_does_without_growing_it() {
+        let device = Device::flex();
+        let x = Tensor::<4>::random([2, 3, 5, 8], Distribution::Normal(0.0, 1.0), &device);
+        let bounded = Rope::with_table_positions(RopeConfig::new(), 64);
+        let table = Rope::new(RopeConfig::new());
+        for start in [0, 60, 100, 1000] {
+            let what = format!("from position {start}");
+            assert_eq!(
+                bounded.apply(x.clone(), start).into_data(),
+                table.apply(x.clone(), start).into_data(),
+                "{what}"
+            );
+        }
+        let ragged = [3, 70, 64, 5000, 2];
+        assert_eq!(
+            bounded.apply_at(x.clone(), &ragged).into_data(),
+            table.apply_at(x, &ragged).into_data(),
+            "ragged"
+        );
+        assert_eq!(bounded.table.lock().unwrap().as_ref().unwrap().len, 64);
     }
 
     /// Linear and Llama 3 scaling give the frequencies Hugging Face's `rope_type` "linear" and

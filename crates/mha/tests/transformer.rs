@@ -20,7 +20,7 @@ use mha::transformer::{
     TransformerDecoder, TransformerDecoderConfig, TransformerDecoderInput, TransformerEncoder,
     TransformerEncoderConfig, TransformerEncoderInput,
 };
-use mha::{MhaInput, MultiHeadAttention, RopeConfig};
+use mha::{KvCache, MhaInput, MultiHeadAttention, RopeConfig};
 
 /// `[batch, seq]` padding: the second sequence's last `padded` positions.
 fn padding(batch: usize, seq: usize, padded: usize, device: &Device) -> Tensor<2, Bool> {
@@ -200,6 +200,12 @@ fn cached_decoding_through_a_stack_equals_its_full_forward() {
                 decoded,
                 full,
                 tolerance(name),
+            );
+            // The layers' window of 4: their caches keep the 3 positions the next query sees.
+            assert!(
+                cache.layers.iter().all(|layer| layer.stored() == 3),
+                "{name}: the windowed layers' caches hold {:?}",
+                cache.layers.iter().map(KvCache::stored).collect::<Vec<_>>()
             );
 
             let decoder = TransformerDecoderConfig::new(16, 32, 4, 2)

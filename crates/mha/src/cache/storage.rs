@@ -73,15 +73,17 @@ pub(crate) fn in_dtype(tensor: Tensor<4>, dtype: DType) -> Tensor<4> {
 pub(crate) struct Quantized {
     /// `[batch, heads, positions, dim]`, i8.
     pub values: Tensor<4, Int>,
-    /// `[batch, heads, positions, 1]`: `max |x| / 127` of each position's row, in the input's
-    /// float type.
+    /// `[batch, heads, positions, 1]`: `max |x| / 127` of each position's row, in f32.
     pub scales: Tensor<4>,
 }
 
 /// `tensor` (`[batch, heads, positions, dim]`, detached) in int8, each row scaled by its own
 /// `max |x| / 127`: what [`CacheStorage::Int8`] stores.
+///
+/// Computed in f32 whatever the input's type: in f16 the scale's floor (`f32::MIN_POSITIVE`)
+/// is 0, and a row of zeros would divide 0 by 0.
 pub(crate) fn quantize_int8(tensor: Tensor<4>) -> Quantized {
-    let tensor = tensor.detach();
+    let tensor = in_dtype(tensor.detach(), DType::F32);
     let scales = tensor
         .clone()
         .abs()
@@ -102,4 +104,30 @@ pub(crate) fn dequantize_int8(
     dtype: DType,
 ) -> Tensor<4> {
     values.cast(FloatDType::from(dtype)) * scales.cast(dtype)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An f16 row of zeros (a padding token's keys, say) quantizes to zeros with a positive f32
+    /// scale, where f16 scales floored at 0 divided 0 by 0.
+    #[test]
+    fn f16_rows_quantize_in_f32_and_zeros_stay_zeros() {
+        let device = Device::flex();
+        let rows = Tensor::<4>::from_data(
+            burn::tensor::TensorData::new(
+                vec![0.0f32, 0.0, 0.0, 0.0, 1.0, -2.0, 0.5, 4.0],
+                [1, 1, 2, 4],
+            ),
+            &device,
+        )
+        .cast(DType::F16);
+        let Quantized { values, scales } = quantize_int8(rows);
+        assert_eq!(scales.dtype(), DType::F32);
+        let scales: Vec<f32> = scales.into_data().convert::<f32>().try_to_vec().unwrap();
+        assert!(scales.iter().all(|&scale| scale > 0.0), "{scales:?}");
+        let values: Vec<i64> = values.into_data().convert::<i64>().try_to_vec().unwrap();
+        assert_eq!(values, [0, 0, 0, 0, 32, -64, 16, 127]);
+    }
 }

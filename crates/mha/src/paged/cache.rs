@@ -190,6 +190,9 @@ pub(crate) struct SequenceStep {
     pub table: BlockTable,
     /// A shared, partly filled last block copied into a block of its own before the write.
     copy: Option<BlockCopy>,
+    /// A filed, partly filled last block this sequence alone holds, written in place because
+    /// the pool had no block to copy it into: its filing is forgotten.
+    unfile: Option<usize>,
 }
 
 /// A copy-on-write: block `from` copied into block `to`.
@@ -203,6 +206,7 @@ struct BlockCopy {
 struct PlannedSequence {
     table: BlockTable,
     copy: Option<BlockCopy>,
+    unfile: Option<usize>,
     /// Blocks it needs.
     needed: usize,
     /// Whether the pool had them all.
@@ -496,7 +500,8 @@ impl PagedKvCache {
 
     /// Blocks a step may still take: the pool's free ones and those it may grow by.
     pub fn free_blocks(&self) -> usize {
-        self.free.len() + self.config.max_blocks - self.refcounts.len()
+        // In this order: `max_blocks` may be as large as `usize::MAX`.
+        self.config.max_blocks - self.refcounts.len() + self.free.len()
     }
 
     /// Blocks the pool has allocated (in use or free), at most `max_blocks`.
@@ -596,6 +601,7 @@ impl PagedKvCache {
                 past: table.len,
                 table: planned.table,
                 copy: planned.copy,
+                unfile: planned.unfile,
             });
         }
         if let Some(sequence) = refused {
@@ -631,6 +637,7 @@ impl PagedKvCache {
                 len: past + new,
             },
             copy: None,
+            unfile: None,
             needed: 0,
             fits: true,
         };
@@ -639,22 +646,30 @@ impl PagedKvCache {
         // A partial block is copied before the write if another sequence still refers to it,
         // or if it is filed (whole for the sequence it was forked from, which may have left):
         // a filed block's positions must stay what its tokens say.
-        let shared_partial_block = partial_block.filter(|&block| {
-            self.refcounts[block] - copied.get(&block).copied().unwrap_or(0) > 1
-                || self.prefixes.is_filed(block)
-        });
+        let holders =
+            |block: usize| self.refcounts[block] - copied.get(&block).copied().unwrap_or(0);
+        let shared_partial_block =
+            partial_block.filter(|&block| holders(block) > 1 || self.prefixes.is_filed(block));
         let new_blocks = planned.table.len.div_ceil(block_size) - table.blocks.len();
-        planned.needed = new_blocks + usize::from(shared_partial_block.is_some());
+        planned.needed = new_blocks;
         if let Some(from) = shared_partial_block {
+            let sole_holder = holders(from) == 1;
             // Counted whether or not the pool has the block, so that the sharers after this one
             // are counted as the step would run: the last one writing in place.
             *copied.entry(from).or_default() += 1;
             match pool.take(&self.free) {
                 Some(to) => {
+                    planned.needed += 1;
                     planned.copy = Some(BlockCopy { from, to });
                     *planned.table.blocks.last_mut().expect("a partial block") = to;
                 }
-                None => planned.fits = false,
+                // Only the filing asks for the copy: without a block for it, the sequence loses
+                // the cached prefix rather than its step.
+                None if sole_holder => planned.unfile = Some(from),
+                None => {
+                    planned.needed += 1;
+                    planned.fits = false;
+                }
             }
         }
         for _ in 0..new_blocks {
@@ -704,6 +719,9 @@ impl PagedKvCache {
                 value_store = value_store.with_block_copied(from, to);
                 self.release_block(from);
             }
+        }
+        for block in step.sequences.iter().filter_map(|sequence| sequence.unfile) {
+            self.prefixes.forget(block);
         }
         let writes: Vec<RowsWrite> = step
             .sequences

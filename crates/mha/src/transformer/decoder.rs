@@ -359,10 +359,17 @@ impl TransformerDecoder {
             .fold(x, |x, layer| layer.forward(x, &input))
     }
 
-    /// An empty cache for [`forward_cached`](Self::forward_cached).
+    /// An empty cache for [`forward_cached`](Self::forward_cached): a self-attention layer
+    /// with a `window` keeps only the positions it still sees
+    /// ([`CacheLimit::SlidingWindow`](crate::CacheLimit::SlidingWindow)), the others every
+    /// position.
     pub fn new_cache(&self) -> TransformerDecoderCache {
         TransformerDecoderCache {
-            self_attention: self.layers.iter().map(|_| KvCache::new()).collect(),
+            self_attention: self
+                .layers
+                .iter()
+                .map(|layer| layer.self_attention.new_cache())
+                .collect(),
             memory: self.layers.iter().map(|_| None).collect(),
         }
     }

@@ -312,10 +312,17 @@ impl TransformerEncoder {
             .fold(x, |x, layer| layer.forward(x, &input))
     }
 
-    /// An empty cache for [`forward_cached`](Self::forward_cached), one [`KvCache`] per layer.
+    /// An empty cache for [`forward_cached`](Self::forward_cached), one [`KvCache`] per layer:
+    /// a layer with a `window` keeps only the positions it still sees
+    /// ([`CacheLimit::SlidingWindow`](crate::CacheLimit::SlidingWindow)), the others every
+    /// position.
     pub fn new_cache(&self) -> TransformerEncoderCache {
         TransformerEncoderCache {
-            layers: self.layers.iter().map(|_| KvCache::new()).collect(),
+            layers: self
+                .layers
+                .iter()
+                .map(|layer| layer.attention.new_cache())
+                .collect(),
         }
     }
 

@@ -214,6 +214,43 @@ fn forks_share_blocks_until_a_write_copies_the_partial_one() {
     );
 }
 
+/// A pool bounded only by `usize::MAX` counts its free blocks without overflowing once it has
+/// allocated some (it added `max_blocks` to the idle blocks first, which a debug build's
+/// overflow check refused; a release build wraps to the same count).
+#[test]
+fn free_blocks_of_an_unbounded_pool_do_not_overflow() {
+    let owner = owner();
+    let mut cache = PagedKvCacheConfig::new(usize::MAX)
+        .with_block_size(4)
+        .init();
+    let a = cache.add_sequence();
+    step(&mut cache, owner, &[a], &[5]).unwrap();
+    assert_eq!(cache.free_blocks(), usize::MAX - 2);
+    cache.remove_sequence(a).unwrap();
+    assert_eq!(cache.free_blocks(), usize::MAX);
+}
+
+/// The only holder of a filed, partly filled block, in a pool with no block to copy it into,
+/// writes into it in place and forgets its filing: it loses the cached prefix, not its step
+/// (it was refused at every step before).
+#[test]
+fn a_fork_alone_in_a_full_pool_writes_its_filed_block_in_place() {
+    let owner = owner();
+    let mut cache = PagedKvCacheConfig::new(2).with_block_size(4).init();
+    let prompt = [1, 2, 3, 4, 5, 6, 7, 8];
+    let a = cache.add_sequence_with_prompt(&prompt);
+    step(&mut cache, owner, &[a.id], &[8]).unwrap();
+    let fork = cache.fork_prefix(a.id, 6).unwrap();
+    cache.remove_sequence(a.id).unwrap();
+    assert_eq!(cache.free_blocks(), 0);
+    let filed = cache.table(fork).unwrap().blocks[1];
+    step(&mut cache, owner, &[fork], &[1]).expect("written in place");
+    assert_eq!(cache.table(fork).unwrap().blocks[1], filed, "in place");
+    assert_eq!(cache.table(fork).unwrap().len, 7);
+    // Only the first block is still filed: the second now holds the fork's positions.
+    assert_eq!(cache.add_sequence_with_prompt(&prompt).cached, 4);
+}
+
 #[test]
 fn a_fork_writing_into_a_filed_block_copies_it_even_as_its_only_holder() {
     let owner = owner();
