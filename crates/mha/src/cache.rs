@@ -304,10 +304,6 @@ impl KvCache {
         self.storage
     }
 
-    fn batch(&self) -> Option<usize> {
-        self.batch
-    }
-
     /// Keys at the front that are pinned (a streaming cache's sinks), of the first `keys`
     /// positions.
     fn pinned(&self, keys: usize) -> usize {
@@ -336,7 +332,7 @@ impl KvCache {
                 module: owner,
             });
         }
-        if let Some(cached) = self.batch()
+        if let Some(cached) = self.batch
             && cached != batch
         {
             return Err(CacheError::BatchChanged { cached, new: batch });
@@ -391,7 +387,7 @@ impl KvCache {
         key: Tensor<4>,
         value: Tensor<4>,
     ) -> (Tensor<4>, Tensor<4>) {
-        let [_, n_kv_heads, new, head_dim] = key.dims();
+        let [batch, n_kv_heads, new, head_dim] = key.dims();
         assert!(
             new == step.new
                 && n_kv_heads == step.owner.n_kv_heads
@@ -411,7 +407,7 @@ impl KvCache {
             attended.unwrap_or_else(|| (key.read(dtype), value.read(dtype)));
         self.seen += step.new;
         self.owner = Some(step.owner);
-        self.batch = Some(key.batch());
+        self.batch = Some(batch);
         self.keep(key, value, step.padding);
         (attended_key, attended_value)
     }

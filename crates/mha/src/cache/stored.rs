@@ -53,13 +53,6 @@ impl Stored {
         }
     }
 
-    pub(super) fn batch(&self) -> usize {
-        match self {
-            Self::Float { buffer, .. } => buffer.dims()[0],
-            Self::Int8 { scales, .. } => scales.dims()[0],
-        }
-    }
-
     /// Whether the positions are stored as floats of `dtype` (what [`Stored::read`] returns
     /// without a conversion).
     pub(super) fn is_float_in(&self, dtype: DType) -> bool {
