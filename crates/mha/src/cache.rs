@@ -13,6 +13,7 @@ use crate::mask::Positions;
 
 mod storage;
 mod stored;
+mod undo;
 // Names burn-ndarray's deprecated backend type, as `cpu` does.
 #[allow(deprecated)]
 #[cfg(any(feature = "flex", feature = "ndarray"))]
@@ -23,6 +24,7 @@ pub(crate) use storage::{
     Quantized, beyond_half_range, dequantize_int8, in_dtype, quantize_int8, storage_unsupported,
 };
 use stored::Stored;
+use undo::{StepUndo, UndoLog};
 
 /// How many key/value positions a [`KvCache`] keeps.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -168,6 +170,8 @@ pub struct KvCache {
     /// The steps' batch size, once a step was taken (a window of 1 stores no position to
     /// read it from).
     batch: Option<usize>,
+    /// What the last step changed, kept only for a layer of a Transformer stack (`undo.rs`).
+    undo: UndoLog,
 }
 
 /// Which attention module filled a cache: its key projection's parameter id and its head
@@ -246,6 +250,7 @@ impl KvCache {
             storage: CacheStorage::Float,
             owner: None,
             batch: None,
+            undo: UndoLog::Off,
         }
     }
 
@@ -291,7 +296,12 @@ impl KvCache {
 
     /// Empties the cache, keeping its limit and storage.
     pub fn reset(&mut self) {
+        let undo = match self.undo {
+            UndoLog::Off => UndoLog::Off,
+            UndoLog::On(_) => UndoLog::On(None),
+        };
         *self = Self::with_limit(self.limit).with_storage(self.storage);
+        self.undo = undo;
     }
 
     /// The capacity or window the cache was made with.
@@ -397,6 +407,9 @@ impl KvCache {
             step.new,
             step.owner
         );
+        if let UndoLog::On(_) = self.undo {
+            self.undo = UndoLog::On(Some(Box::new(StepUndo::before(self))));
+        }
         let dtype = key.dtype();
         let attended = self.attended_unless_stored_exactly(&key, &value, dtype);
         let (key, value) = self.stored_with(

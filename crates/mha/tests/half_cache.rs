@@ -134,43 +134,65 @@ fn an_infinite_row_does_not_hide_another_rows_key_beyond_f16_range() {
     assert_eq!(paged.blocks_in_use(), 0);
 }
 
-/// A 2-layer causal stack whose second layer's attention sees its input scaled by 10^6 (its
-/// norm's gain), so that its keys exceed f16's range while the first layer's do not.
-fn stack_overflowing_in_its_second_layer(device: &Device) -> mha::transformer::TransformerEncoder {
-    let mut stack = common::causal_stack(D_MODEL, device);
+/// A copy of `stack` whose second layer's attention sees its input scaled by 10^6 (its norm's
+/// gain), so that its keys exceed f16's range while the first layer's do not. The attention
+/// weights are the same parameters, so it may step the caches of `stack`.
+fn overflowing_in_its_second_layer(
+    stack: &mha::transformer::TransformerEncoder,
+) -> mha::transformer::TransformerEncoder {
+    let mut stack = stack.clone();
     let norm = &mut stack.layers[1].attention_norm;
     norm.gamma = norm.gamma.clone().map(|gamma| gamma * 1e6);
     stack
 }
 
 #[test]
-fn a_stack_refused_by_a_later_layer_leaves_no_layer_holding_the_step() {
+fn a_stack_refused_by_a_later_layer_takes_the_step_back_in_every_layer() {
     use mha::transformer::TransformerEncoderInput;
     let device = Device::flex();
     let _seed = common::seed(&device, 54);
-    let stack = stack_overflowing_in_its_second_layer(&device);
+    let normal = common::causal_stack(D_MODEL, &device);
+    let stack = overflowing_in_its_second_layer(&normal);
     let config = PagedKvCacheConfig::new(16)
         .with_block_size(4)
         .with_storage(CacheStorage::Half);
-    let mut paged = stack.new_paged_cache(config);
-    let id = paged.add_sequence();
+    // `b` shares `a`'s partial block holding one position fewer: in the refused step `a` copies
+    // it and `b` writes in place over `a`'s position 5 (in the first layer).
+    let prompt = randn([6, D_MODEL], &device);
+    let history = |paged: &mut mha::transformer::PagedTransformerCache| {
+        let a = paged.add_sequence();
+        normal
+            .forward_paged(prompt.clone(), paged, &[a; 6])
+            .unwrap();
+        let b = paged.fork_prefix(a, 5).unwrap();
+        (a, b)
+    };
+    let mut paged = normal.new_paged_cache(config);
+    let (a, b) = history(&mut paged);
+    let mut untouched = normal.new_paged_cache(config);
+    history(&mut untouched);
+
     let error = stack
-        .forward_paged(randn([3, D_MODEL], &device), &mut paged, &[id; 3])
+        .forward_paged(randn([3, D_MODEL], &device), &mut paged, &[a, b, b])
         .unwrap_err();
     assert!(
         matches!(error, PagedCacheError::BeyondHalfRange { .. }),
         "{error}"
     );
-    // The first layer had stored the step: the sequence left every layer.
-    assert_eq!(paged.len(id), None);
-    assert!(
-        paged
-            .layers()
-            .iter()
-            .all(|layer| layer.blocks_in_use() == 0)
-    );
+    assert_eq!((paged.len(a), paged.len(b)), (Some(6), Some(5)));
+    for (layer, expected) in paged.layers().iter().zip(untouched.layers()) {
+        assert_eq!(layer.blocks_in_use(), expected.blocks_in_use());
+        assert_eq!(layer.free_blocks(), expected.free_blocks());
+    }
+    // Both sequences go on as if the refused step had never been tried.
+    let next = randn([2, D_MODEL], &device);
+    let output = normal
+        .forward_paged(next.clone(), &mut paged, &[a, b])
+        .unwrap();
+    let expected = normal.forward_paged(next, &mut untouched, &[a, b]).unwrap();
+    assert_eq!(max_abs_diff(output, expected), 0.0);
 
-    let mut cache = stack.new_cache();
+    let mut cache = normal.new_cache();
     cache
         .layers
         .iter_mut()
@@ -188,4 +210,94 @@ fn a_stack_refused_by_a_later_layer_leaves_no_layer_holding_the_step() {
             .iter()
             .all(|layer| layer.storage() == CacheStorage::Half)
     );
+}
+
+#[test]
+fn kv_cache_stacks_refused_by_a_later_layer_take_the_step_back_in_every_layer() {
+    use mha::CacheLimit;
+    use mha::transformer::{
+        TransformerDecoderConfig, TransformerDecoderInput, TransformerEncoderInput,
+    };
+    let device = Device::flex();
+    let _seed = common::seed(&device, 55);
+    let normal = common::causal_stack(D_MODEL, &device);
+    let overflowing = overflowing_in_its_second_layer(&normal);
+    let tokens = randn([1, 9, D_MODEL], &device);
+    let step = |start, len| TransformerEncoderInput::new(tokens.clone().narrow(1, start, len));
+    // Appended in place (taken back by its length), and two windows that evict in the refused
+    // step (taken back to their tensors before it).
+    for limit in [
+        CacheLimit::Unbounded,
+        CacheLimit::SlidingWindow(4),
+        CacheLimit::StreamingWindow {
+            sinks: 1,
+            window: 4,
+        },
+    ] {
+        let fresh = || {
+            let mut cache = normal.new_cache();
+            for layer in &mut cache.layers {
+                *layer = KvCache::with_limit(limit).with_storage(CacheStorage::Half);
+            }
+            cache
+        };
+        let (mut cache, mut untouched) = (fresh(), fresh());
+        normal.forward_cached(step(0, 5), &mut cache).unwrap();
+        normal.forward_cached(step(0, 5), &mut untouched).unwrap();
+        let error = overflowing
+            .forward_cached(step(5, 2), &mut cache)
+            .unwrap_err();
+        assert!(
+            matches!(error, CacheError::BeyondHalfRange { .. }),
+            "{limit:?}: {error}"
+        );
+        for (layer, expected) in cache.layers.iter().zip(&untouched.layers) {
+            assert_eq!(
+                (layer.len(), layer.stored()),
+                (expected.len(), expected.stored()),
+                "{limit:?}"
+            );
+        }
+        let output = normal.forward_cached(step(7, 2), &mut cache).unwrap();
+        let expected = normal.forward_cached(step(7, 2), &mut untouched).unwrap();
+        assert_eq!(max_abs_diff(output, expected), 0.0, "{limit:?}");
+    }
+
+    let decoder = TransformerDecoderConfig::new(D_MODEL, 32, 4, 2)
+        .with_dropout(0.0)
+        .with_norm_first(true)
+        .init(&device);
+    let mut overflowing = decoder.clone();
+    let norm = &mut overflowing.layers[1].self_attention_norm;
+    norm.gamma = norm.gamma.clone().map(|gamma| gamma * 1e6);
+    let memory = randn([1, 3, D_MODEL], &device);
+    let input = |start, len| {
+        TransformerDecoderInput::new(tokens.clone().narrow(1, start, len), memory.clone())
+    };
+    let fresh = || {
+        let mut cache = decoder.new_cache();
+        for layer in &mut cache.self_attention {
+            *layer = KvCache::new().with_storage(CacheStorage::Half);
+        }
+        cache
+    };
+    let (mut cache, mut untouched) = (fresh(), fresh());
+    let error = overflowing
+        .forward_cached(input(0, 2), &mut cache)
+        .unwrap_err();
+    assert!(
+        matches!(error, CacheError::BeyondHalfRange { .. }),
+        "{error}"
+    );
+    assert!(cache.self_attention.iter().all(KvCache::is_empty));
+    for cache in [&mut cache, &mut untouched] {
+        decoder.forward_cached(input(0, 5), cache).unwrap();
+    }
+    overflowing
+        .forward_cached(input(5, 2), &mut cache)
+        .unwrap_err();
+    assert!(cache.self_attention.iter().all(|layer| layer.len() == 5));
+    let output = decoder.forward_cached(input(7, 2), &mut cache).unwrap();
+    let expected = decoder.forward_cached(input(7, 2), &mut untouched).unwrap();
+    assert_eq!(max_abs_diff(output, expected), 0.0);
 }

@@ -149,6 +149,23 @@ impl Stored {
         }
     }
 
+    /// The first `len` positions (positions past them stay in the buffer as spare room).
+    pub(super) fn truncated(self, len: usize) -> Self {
+        assert!(
+            len <= self.len(),
+            "Stored::truncated: {len} > {}",
+            self.len()
+        );
+        match self {
+            Self::Float { buffer, .. } => Self::Float { buffer, len },
+            Self::Int8 { values, scales, .. } => Self::Int8 {
+                values,
+                scales,
+                len,
+            },
+        }
+    }
+
     /// Positions `ranges` (in order), concatenated.
     pub(super) fn select(self, ranges: &[(usize, usize)]) -> Self {
         let kept = ranges.iter().map(|&(_, len)| len).sum();

@@ -14,8 +14,10 @@ use super::store::{BlockLayout, BlockStore, RowsWrite};
 use crate::cache::{CacheOwner, CacheStorage, storage_unsupported};
 
 mod error;
+mod undo;
 
 pub use error::PagedCacheError;
+use undo::StepUndo;
 
 /// One sequence of a [`PagedKvCache`], as [`PagedKvCache::add_sequence`] and
 /// [`PagedKvCache::fork`] hand it out. Ids are never reused by a cache; an id names a sequence
@@ -98,6 +100,7 @@ impl PagedKvCacheConfig {
             config: *self,
             key: None,
             value: None,
+            undo: UndoLog::Off,
             refcounts: Vec::new(),
             free: FreeBlocks::default(),
             sequences: BTreeMap::new(),
@@ -148,7 +151,7 @@ pub struct PagedKvCache {
     /// The value blocks.
     value: Option<BlockStore>,
     /// Sequences referring to each block the pool holds (0 = free); its length is the pool's
-    /// size in blocks.
+    /// size in blocks (its tensors may hold more: `undo.rs`).
     refcounts: Vec<u32>,
     /// The blocks of the pool no sequence refers to.
     free: FreeBlocks,
@@ -160,6 +163,21 @@ pub struct PagedKvCache {
     next_id: u64,
     /// The module whose keys and values the cache holds, once a step stored some.
     owner: Option<CacheOwner>,
+    /// What the last step changed, kept only for a layer of a [`PagedTransformerCache`]
+    /// (`undo.rs`), so that the stack can take a step back that a later layer refused.
+    ///
+    /// [`PagedTransformerCache`]: crate::transformer::PagedTransformerCache
+    undo: UndoLog,
+}
+
+/// Whether a cache keeps what its last step changed, and that record.
+#[derive(Debug, Clone, Default)]
+enum UndoLog {
+    /// Nothing is kept (a cache of one module).
+    #[default]
+    Off,
+    /// Kept; `None` before the first step and once taken back.
+    On(Option<Box<StepUndo>>),
 }
 
 /// Where one sequence's positions live: position `p` is at offset `p % block_size` of block
@@ -225,7 +243,7 @@ pub(crate) struct PagedStep {
 /// and those still filed by their tokens, which a later prompt may share. A step takes the
 /// first kind first, then grows the pool, and only then overwrites filed blocks, the least
 /// recently freed first.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 struct FreeBlocks {
     /// Taken from the end.
     unfiled: Vec<usize>,
@@ -388,25 +406,31 @@ impl PagedKvCache {
         PromptMatch { id, cached }
     }
 
-    /// Files `id`'s whole blocks of known tokens that are not filed yet.
-    fn file_whole_blocks(&mut self, id: SequenceId) {
+    /// Files `id`'s whole blocks of known tokens that are not filed yet, and gives the blocks
+    /// filed under new entries.
+    fn file_whole_blocks(&mut self, id: SequenceId) -> Vec<usize> {
         let block_size = self.config.block_size;
+        let mut newly_filed = Vec::new();
         let (Some(table), Some(record)) = (self.sequences.get(&id), self.records.get_mut(&id))
         else {
-            return;
+            return newly_filed;
         };
         let known = table.len.min(record.tokens.len()) / block_size;
         while record.filed.len() < known {
             let index = record.filed.len();
             let tokens = &record.tokens[index * block_size..][..block_size];
-            let filed = self
-                .prefixes
-                .file(record.last_entry(), tokens, table.blocks[index]);
+            let block = table.blocks[index];
+            let was_filed = self.prefixes.is_filed(block);
+            let filed = self.prefixes.file(record.last_entry(), tokens, block);
             // `None`: the block is filed under other tokens (a fork told tokens its shared
             // blocks do not hold); what it holds stays filed as it was.
             let Some(entry) = filed else { break };
             record.filed.push(entry);
+            if !was_filed && self.prefixes.is_filed(block) {
+                newly_filed.push(block);
+            }
         }
+        newly_filed
     }
 
     /// Removes a sequence; the blocks no other sequence shares are free at once.
@@ -523,9 +547,12 @@ impl PagedKvCache {
         self.blocks_in_use() * self.block_bytes()
     }
 
-    /// Bytes the pool has allocated.
+    /// Bytes the pool has allocated: those of [`reserved_blocks`](Self::reserved_blocks), or
+    /// more in a layer of a stack that took back a step that grew the pool (its tensors keep
+    /// the blocks until a later step takes them).
     pub fn reserved_bytes(&self) -> usize {
-        self.reserved_blocks() * self.block_bytes()
+        let allocated = self.key.as_ref().map_or(0, BlockStore::blocks);
+        allocated.max(self.reserved_blocks()) * self.block_bytes()
     }
 
     #[cfg(test)]
@@ -684,6 +711,7 @@ impl PagedKvCache {
     /// Takes the step's blocks, copies the shared blocks it writes into, and stores the new
     /// keys and values (`[1, n_kv_heads, rows, head_dim]`, the step's rows in order).
     pub(crate) fn store(&mut self, step: &PagedStep, key: &Tensor<4>, value: &Tensor<4>) {
+        let mut undo = matches!(self.undo, UndoLog::On(_)).then(|| StepUndo::before(self, step));
         let [_, n_kv_heads, _, head_dim] = key.dims();
         let value_dim = value.dims()[3];
         let (config, pool) = (self.config, &step.pool);
@@ -709,6 +737,11 @@ impl PagedKvCache {
         for &block in &pool.taken {
             self.refcounts[block] = 1;
             // Written now: what it held can no longer be shared.
+            if let Some(undo) = &mut undo
+                && self.prefixes.is_filed(block)
+            {
+                undo.overwritten_filings.push(block);
+            }
             self.prefixes.forget(block);
         }
         // The copies first, so that each reads its block as it was before the step, even the
@@ -721,6 +754,9 @@ impl PagedKvCache {
             }
         }
         for block in step.sequences.iter().filter_map(|sequence| sequence.unfile) {
+            if let Some(undo) = &mut undo {
+                undo.overwritten_filings.push(block);
+            }
             self.prefixes.forget(block);
         }
         let writes: Vec<RowsWrite> = step
@@ -739,7 +775,13 @@ impl PagedKvCache {
         }
         self.owner = Some(step.owner);
         for sequence in &step.sequences {
-            self.file_whole_blocks(sequence.id);
+            let filed = self.file_whole_blocks(sequence.id);
+            if let Some(undo) = &mut undo {
+                undo.newly_filed.extend(filed);
+            }
+        }
+        if let UndoLog::On(last) = &mut self.undo {
+            *last = undo.map(Box::new);
         }
     }
 }

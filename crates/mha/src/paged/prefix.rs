@@ -13,8 +13,10 @@ use std::collections::HashMap;
 pub type Token = u32;
 
 /// An entry of the index: the prefix of whole blocks that ends with one filed block.
-/// [`EntryId::EMPTY`] is the empty prefix. Ids are never reused, so an entry forgotten and
-/// filed again is a new prefix: what was filed after the old one can no longer be reached.
+/// [`EntryId::EMPTY`] is the empty prefix. Ids are not reused, so an entry forgotten and
+/// filed again is a new prefix: what was filed after the old one can no longer be reached. (A
+/// step taken back hands its ids out again, once every entry it filed is forgotten: nothing
+/// refers to them.)
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) struct EntryId(u64);
 
@@ -46,7 +48,7 @@ pub(crate) struct MatchedBlock {
 
 /// The pool's whole blocks by the tokens they hold. At most one entry per block, so the index
 /// never outgrows the pool.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub(crate) struct PrefixIndex {
     entries: HashMap<BlockKey, Entry>,
     /// The key each filed block is filed under.
@@ -117,6 +119,18 @@ impl PrefixIndex {
     /// Blocks filed.
     pub fn len(&self) -> usize {
         self.keys.len()
+    }
+
+    /// The last entry id handed out.
+    pub fn last_id(&self) -> u64 {
+        self.last
+    }
+
+    /// Hands ids out again after `last`, once every entry filed after it is forgotten (a step
+    /// taken back), so that the index is as it was before them.
+    pub fn rewind_ids(&mut self, last: u64) {
+        debug_assert!(self.entries.values().all(|entry| entry.id.0 <= last));
+        self.last = last;
     }
 }
 

@@ -131,7 +131,7 @@ impl BlockStore {
         }
     }
 
-    /// The pool grown to `blocks` blocks (new ones zero); never shrunk.
+    /// The pool grown to `blocks` blocks (the new ones zero); never shrunk.
     pub fn grown(self, blocks: usize) -> Self {
         let extra = blocks.saturating_sub(self.blocks());
         if extra == 0 {

@@ -379,10 +379,11 @@ impl TransformerDecoder {
     /// cross-attention to the memory, projected at the first step and reused after (the
     /// memory of later steps is not read again). Feeding a target in any steps gives what
     /// [`forward`](Self::forward) gives for the whole of it. A step is refused by the first
-    /// layer or not at all, and a refused step leaves the cache as it was; but for
-    /// [`CacheStorage::Half`](crate::CacheStorage)'s range ([`CacheError::BeyondHalfRange`]),
-    /// which a later layer's keys may exceed after the layers before it cached the step: then
-    /// the cache is emptied (self-attention and memory).
+    /// layer or not at all, and a refused step leaves the cache as it was. A later layer's keys
+    /// may exceed [`CacheStorage::Half`](crate::CacheStorage)'s range
+    /// ([`CacheError::BeyondHalfRange`]) after the layers before it cached the step: those take
+    /// it back (a windowed layer's cache holds its tensors from before a step until the next,
+    /// shared, not copied).
     ///
     /// # Shapes
     ///
@@ -412,6 +413,7 @@ impl TransformerDecoder {
             cache.self_attention.len(),
             self.layers.len()
         );
+        cache.self_attention.iter_mut().for_each(KvCache::keep_undo);
         let mut x = input.target.clone();
         for (index, layer) in self.layers.iter().enumerate() {
             let projected_before = cache.memory[index].is_some();
@@ -427,9 +429,12 @@ impl TransformerDecoder {
                 Ok(output) => x = output,
                 Err(error) => {
                     // Only f16's range refusal comes from a later layer; the layers before it
-                    // cached the step, so every layer's cache is emptied to stay in step.
-                    if index > 0 {
-                        cache.self_attention.iter_mut().for_each(KvCache::reset);
+                    // cached the step, and take it back to stay in step.
+                    cache.self_attention[..index]
+                        .iter_mut()
+                        .for_each(KvCache::undo_last_step);
+                    if cache.self_attention[0].is_empty() {
+                        // The refused step was the first: the next is, and projects its memory.
                         cache.memory.iter_mut().for_each(|slot| *slot = None);
                     }
                     return Err(error);

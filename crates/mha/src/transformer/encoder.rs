@@ -330,10 +330,11 @@ impl TransformerEncoder {
     /// attends to its cached positions and the new ones, and caches the new ones. Feeding a
     /// sequence in any steps gives what [`forward`](Self::forward) gives for the whole of it.
     /// Every layer's cache holds the same positions, so a step is refused by the first layer
-    /// or not at all, and a refused step leaves the cache as it was; but for
-    /// [`CacheStorage::Half`](crate::CacheStorage)'s range ([`CacheError::BeyondHalfRange`]),
-    /// which a later layer's keys may exceed after the layers before it cached the step: then
-    /// every layer's cache is emptied ([`KvCache::reset`]).
+    /// or not at all, and a refused step leaves the cache as it was. A later layer's keys may
+    /// exceed [`CacheStorage::Half`](crate::CacheStorage)'s range
+    /// ([`CacheError::BeyondHalfRange`]) after the layers before it cached the step: those take
+    /// it back. To do so, a windowed layer's cache holds its tensors from before a step until
+    /// the next (shared, not copied).
     ///
     /// # Shapes
     ///
@@ -363,16 +364,17 @@ impl TransformerEncoder {
             cache.layers.len(),
             self.layers.len()
         );
+        cache.layers.iter_mut().for_each(KvCache::keep_undo);
         let mut x = input.tensor.clone();
         for (index, layer) in self.layers.iter().enumerate() {
             match layer.forward_cached(x, &input, &mut cache.layers[index]) {
                 Ok(output) => x = output,
                 Err(error) => {
                     // Only f16's range refusal comes from a later layer; the layers before it
-                    // cached the step, so every layer is emptied to stay in step.
-                    if index > 0 {
-                        cache.layers.iter_mut().for_each(KvCache::reset);
-                    }
+                    // cached the step, and take it back to stay in step.
+                    cache.layers[..index]
+                        .iter_mut()
+                        .for_each(KvCache::undo_last_step);
                     return Err(error);
                 }
             }

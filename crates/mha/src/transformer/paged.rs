@@ -192,8 +192,13 @@ impl TransformerEncoder {
             "TransformerEncoder::new_paged_cache: the stack has no layers (n_layers = 0), so \
              there is nothing to cache"
         );
+        let layer = |_| {
+            let mut cache = config.init();
+            cache.keep_undo();
+            cache
+        };
         PagedTransformerCache {
-            layers: self.layers.iter().map(|_| config.init()).collect(),
+            layers: self.layers.iter().map(layer).collect(),
         }
     }
 
@@ -201,10 +206,12 @@ impl TransformerEncoder {
     /// position of `sequences[i]` (each sequence's rows consecutive), and every sequence gets
     /// what [`forward_cached`](Self::forward_cached) gives it alone. Every layer's cache holds
     /// the same sequences, so a step is refused by the first layer or not at all, and a refused
-    /// step leaves the cache as it was; but for [`CacheStorage::Half`](crate::CacheStorage)'s
-    /// range ([`PagedCacheError::BeyondHalfRange`]), which a later layer's keys may exceed
-    /// after the layers before it stored the step: then the step's sequences are removed from
-    /// every layer.
+    /// step leaves every sequence as it was. A later layer's keys may exceed
+    /// [`CacheStorage::Half`](crate::CacheStorage)'s range
+    /// ([`PagedCacheError::BeyondHalfRange`]) after the layers before it stored the step: those
+    /// take it back, and the whole blocks it overwrote are no longer shared by later prompts
+    /// (in any layer, so that the layers stay alike). To do so, each layer keeps a copy of its
+    /// pool's per-block bookkeeping (a few bytes per block) from one step to the next.
     ///
     /// # Shapes
     ///
@@ -243,16 +250,15 @@ impl TransformerEncoder {
             match layer.forward_paged(x, &mut cache.layers[index], sequences) {
                 Ok(output) => x = output,
                 Err(error) => {
-                    if index > 0 {
-                        // Only f16's range refusal comes from a later layer (the others come
-                        // from the first, as every layer holds the same sequences); the layers
-                        // before it stored the step. The step's sequences leave every layer, so
-                        // that the layers stay in step.
-                        let mut ids = sequences.to_vec();
-                        ids.dedup();
-                        for id in ids {
-                            cache.remove_sequence(id)?;
-                        }
+                    // Only f16's range refusal comes from a later layer (the others come from
+                    // the first, as every layer holds the same sequences); the layers before it
+                    // stored the step, and take it back, so that the layers stay in step.
+                    let mut overwritten = Vec::new();
+                    for stored in &mut cache.layers[..index] {
+                        overwritten = stored.undo_last_step();
+                    }
+                    for layer in &mut cache.layers[index..] {
+                        layer.forget_overwritten(&overwritten);
                     }
                     return Err(error);
                 }

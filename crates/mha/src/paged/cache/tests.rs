@@ -271,3 +271,94 @@ fn a_fork_writing_into_a_filed_block_copies_it_even_as_its_only_holder() {
     // The filed block still holds `a`'s positions, and a prompt still shares it.
     assert_eq!(cache.add_sequence_with_prompt(&prompt).cached, 8);
 }
+
+/// A step whose keys and values are distinct numbers (`base`, `base + 1`, …), so that a
+/// position written over shows.
+fn numbered_step(
+    cache: &mut PagedKvCache,
+    owner: CacheOwner,
+    runs: &[(SequenceId, usize)],
+    base: f32,
+) {
+    let device = Device::flex();
+    let mut start = 0;
+    let sequences: Vec<_> = runs
+        .iter()
+        .map(|&(id, count)| {
+            start += count;
+            SequenceRows {
+                id,
+                rows: start - count..start,
+            }
+        })
+        .collect();
+    let step = cache.begin(owner, &sequences, &device).unwrap();
+    let keys = (Tensor::<1, burn::tensor::Int>::arange(0..2 * start as i64, &device).float()
+        + base)
+        .reshape([1, 1, start, 2]);
+    cache.store(&step, &keys, &(keys.clone() * -1.0));
+}
+
+/// Every sequence's stored keys and values, gathered from its blocks.
+fn contents(cache: &PagedKvCache) -> Vec<(SequenceId, Vec<f32>)> {
+    let (key, value) = cache.stores().unwrap();
+    cache
+        .sequences()
+        .filter(|&id| cache.len(id) != Some(0))
+        .map(|id| {
+            let (table, len) = (cache.table(id).unwrap(), cache.len(id).unwrap());
+            let gathered = |store: &BlockStore| {
+                let tensor = store.gather(table, len, burn::tensor::DType::F32);
+                tensor.into_data().to_vec::<f32>().unwrap()
+            };
+            (id, [gathered(key), gathered(value)].concat())
+        })
+        .collect()
+}
+
+#[test]
+fn a_step_taken_back_leaves_the_cache_as_it_was_but_for_the_filings_it_overwrote() {
+    let owner = owner();
+    let mut cache = PagedKvCacheConfig::new(5).with_block_size(4).init();
+    cache.keep_undo();
+    // `a`: a filed whole block and a partial one, which `c` shares holding one position fewer.
+    let a = cache.add_sequence_with_prompt(&[1, 2, 3, 4, 5, 6]).id;
+    numbered_step(&mut cache, owner, &[(a, 6)], 0.0);
+    let c = cache.fork_prefix(a, 5).unwrap();
+    // A freed filed block (the pool's last resort) and a freed unfiled one.
+    let x = cache.add_sequence_with_prompt(&[9, 9, 9, 9, 9]).id;
+    numbered_step(&mut cache, owner, &[(x, 5)], 100.0);
+    cache.remove_sequence(x).unwrap();
+    let d = cache.add_sequence_with_prompt(&[5, 5, 5, 5, 5, 5]).id;
+    let before = cache.clone();
+    let stored_before = contents(&cache);
+
+    // `a` copies the shared block into the unfiled free block; `c`, its last sharer, writes
+    // over `a`'s position 5 in place; `d` takes the pool's growth, then the filed free block,
+    // and files its first block.
+    numbered_step(&mut cache, owner, &[(a, 1), (c, 2), (d, 6)], 1000.0);
+    assert_eq!(cache.free_blocks(), 0);
+    let shared_block = |cache: &PagedKvCache| {
+        let table = &before.table(c).unwrap().blocks;
+        let store = cache.stores().unwrap().0;
+        let block = BlockTable {
+            blocks: table.clone(),
+            len: 6,
+        };
+        let positions = store.gather(&block, 6, burn::tensor::DType::F32);
+        positions.into_data().to_vec::<f32>().unwrap()
+    };
+    assert_ne!(shared_block(&cache), shared_block(&before), "written over");
+
+    let overwritten = cache.undo_last_step();
+    assert_eq!(overwritten.len(), 1, "x's filed block");
+    let mut expected = before;
+    expected.forget_overwritten(&overwritten);
+    assert!(
+        cache.same_bookkeeping(&expected),
+        "{cache:#?}\n{expected:#?}"
+    );
+    assert_eq!(contents(&cache), stored_before);
+    assert_eq!(cache.add_sequence_with_prompt(&[9, 9, 9, 9, 9]).cached, 0);
+    assert_eq!(cache.add_sequence_with_prompt(&[1, 2, 3, 4, 5]).cached, 4);
+}

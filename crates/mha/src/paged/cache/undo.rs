@@ -1,0 +1,175 @@
+//! Taking a stored step back, for the layers of a
+//! [`PagedTransformerCache`](crate::transformer::PagedTransformerCache): a later layer may
+//! refuse a step ([`PagedCacheError::BeyondHalfRange`](super::PagedCacheError)) after the layers
+//! before it stored it, and every layer must then be as it was, so that the layers keep the
+//! same block tables, free blocks and filed prefixes (a step is then refused by all of them or
+//! by none).
+//!
+//! Bookkeeping is restored from what [`StepUndo`] kept. Block contents need restoring in one
+//! case only: a block shared by several sequences of the step, copied by all but the last,
+//! which wrote into it in place over positions that a sharer with more positions holds. The
+//! copy of that sharer still has them, and is copied back. Every other write of a step lands in
+//! positions no sequence holds once the step is taken back, except in filed blocks (taken from
+//! the free ones, or a fork's filed partial block written in place): their filings cannot be
+//! restored, so every layer forgets them ([`PagedKvCache::forget_overwritten`]).
+
+use super::{
+    BlockCopy, BlockTable, CacheOwner, FreeBlocks, PagedKvCache, PagedStep, SequenceId, UndoLog,
+};
+
+/// What one stored step changed in a [`PagedKvCache`], as far as taking it back needs.
+#[derive(Debug, Clone)]
+pub(super) struct StepUndo {
+    /// Each block's holders before the step (the pool's size before it grew).
+    refcounts: Vec<u32>,
+    free: FreeBlocks,
+    /// The tables of the step's sequences before it.
+    tables: Vec<(SequenceId, BlockTable)>,
+    /// The filed whole blocks of the step's sequences before it.
+    filed_lens: Vec<(SequenceId, usize)>,
+    /// The prefix index's last entry id before the step.
+    last_entry: u64,
+    owner: Option<CacheOwner>,
+    /// Shared blocks written in place, to copy back from a sharer's copy.
+    restores: Vec<BlockCopy>,
+    /// Filed blocks the step wrote into (their filings forgotten).
+    pub overwritten_filings: Vec<usize>,
+    /// Blocks the step filed under new entries.
+    pub newly_filed: Vec<usize>,
+}
+
+impl StepUndo {
+    /// What `cache` holds before it stores `step`.
+    pub fn before(cache: &PagedKvCache, step: &PagedStep) -> StepUndo {
+        let tables = step
+            .sequences
+            .iter()
+            .map(|sequence| (sequence.id, cache.sequences[&sequence.id].clone()))
+            .collect();
+        let filed_lens = step
+            .sequences
+            .iter()
+            .map(|sequence| (sequence.id, cache.records[&sequence.id].filed.len()))
+            .collect();
+        StepUndo {
+            refcounts: cache.refcounts.clone(),
+            free: cache.free.clone(),
+            tables,
+            filed_lens,
+            last_entry: cache.prefixes.last_id(),
+            owner: cache.owner,
+            restores: restores(cache, step),
+            overwritten_filings: Vec::new(),
+            newly_filed: Vec::new(),
+        }
+    }
+}
+
+/// For each shared block that the last of its sharers in `step` writes in place: a copy back
+/// from the copy of the sharer that held the most positions, if it held more than the writer
+/// (positions from the writer's first new one up to that sharer's end were overwritten).
+fn restores(cache: &PagedKvCache, step: &PagedStep) -> Vec<BlockCopy> {
+    let block_size = cache.config.block_size;
+    let partial_block = |id: SequenceId, past: usize| {
+        (!past.is_multiple_of(block_size)).then(|| cache.sequences[&id].blocks[past / block_size])
+    };
+    let mut restores = Vec::new();
+    for writer in &step.sequences {
+        if writer.copy.is_some() || writer.rows.is_empty() {
+            continue;
+        }
+        let Some(block) = partial_block(writer.id, writer.past) else {
+            continue;
+        };
+        let longest_copier = step
+            .sequences
+            .iter()
+            .filter_map(|sequence| Some((sequence.past, sequence.copy?)))
+            .filter(|(_, copy)| copy.from == block)
+            .max_by_key(|(past, _)| *past);
+        if let Some((past, copy)) = longest_copier
+            && past > writer.past
+        {
+            restores.push(BlockCopy {
+                from: copy.to,
+                to: block,
+            });
+        }
+    }
+    restores
+}
+
+impl PagedKvCache {
+    /// Keeps what each step changes from now on, for [`undo_last_step`](Self::undo_last_step):
+    /// two copies of the pool's per-block bookkeeping (a few bytes per block) and the step's
+    /// tables, until the next step.
+    pub(crate) fn keep_undo(&mut self) {
+        self.undo = UndoLog::On(None);
+    }
+
+    /// Takes back the last step stored: every sequence holds the positions and blocks it held
+    /// before it, with what they held. Gives the filed blocks the step wrote into, which every
+    /// layer of the stack must forget ([`forget_overwritten`](Self::forget_overwritten)).
+    ///
+    /// # Panics
+    ///
+    /// If the cache does not keep its steps ([`keep_undo`](Self::keep_undo)) or has no step to
+    /// take back.
+    pub(crate) fn undo_last_step(&mut self) -> Vec<usize> {
+        let UndoLog::On(last) = &mut self.undo else {
+            panic!("PagedKvCache::undo_last_step: the cache keeps no steps");
+        };
+        let undo = *last.take().expect("a stored step to take back");
+        if !undo.restores.is_empty() {
+            let (mut key, mut value) = (self.key.take(), self.value.take());
+            for &BlockCopy { from, to } in &undo.restores {
+                key = key.map(|store| store.with_block_copied(from, to));
+                value = value.map(|store| store.with_block_copied(from, to));
+            }
+            (self.key, self.value) = (key, value);
+        }
+        for &block in &undo.newly_filed {
+            self.prefixes.forget(block);
+        }
+        self.prefixes.rewind_ids(undo.last_entry);
+        self.refcounts = undo.refcounts;
+        self.free = undo.free;
+        self.sequences.extend(undo.tables);
+        for (id, filed) in undo.filed_lens {
+            let record = self.records.get_mut(&id).expect("a sequence of the step");
+            record.filed.truncate(filed);
+        }
+        self.owner = undo.owner;
+        if self.owner.is_none() {
+            // The step was the first: the next may be another module's, of other shapes.
+            (self.key, self.value) = (None, None);
+        }
+        self.forget_overwritten(&undo.overwritten_filings);
+        undo.overwritten_filings
+    }
+
+    /// Forgets the filings of `blocks` (written by a step that another layer took back); those
+    /// no sequence refers to become free blocks nothing can share.
+    pub(crate) fn forget_overwritten(&mut self, blocks: &[usize]) {
+        for &block in blocks {
+            self.prefixes.forget(block);
+            if let Some(at) = self.free.filed.iter().position(|&free| free == block) {
+                self.free.filed.remove(at);
+                self.free.unfiled.push(block);
+            }
+        }
+    }
+
+    /// Whether the two caches' bookkeeping (sequences, tables, reference counts, free blocks,
+    /// prefix index) is the same.
+    #[cfg(test)]
+    pub(crate) fn same_bookkeeping(&self, other: &PagedKvCache) -> bool {
+        self.refcounts == other.refcounts
+            && self.free == other.free
+            && self.sequences == other.sequences
+            && self.records == other.records
+            && self.prefixes == other.prefixes
+            && self.next_id == other.next_id
+            && self.owner == other.owner
+    }
+}
