@@ -67,12 +67,15 @@ pub enum CacheError {
         /// This step's.
         new: usize,
     },
-    /// The `key_padding_mask` covers neither the new keys nor cached plus new keys.
+    /// The `key_padding_mask` covers neither the new keys, nor cached plus new keys, nor
+    /// every position fed and the new ones.
     PaddingWidth {
         /// The mask's width.
         width: usize,
         /// Positions already cached.
         cached: usize,
+        /// Positions fed so far ([`KvCache::len`]; more than `cached` once a window evicted).
+        fed: usize,
         /// Positions this step adds.
         new: usize,
     },
@@ -114,11 +117,17 @@ impl fmt::Display for CacheError {
                 "KV cache batch size changed mid-sequence: the cache holds batch {cached}, this \
                  step has batch {new} (start a new cache with KvCache::reset)"
             ),
-            Self::PaddingWidth { width, cached, new } => write!(
+            Self::PaddingWidth {
+                width,
+                cached,
+                fed,
+                new,
+            } => write!(
                 f,
                 "`key_padding_mask` has width {width}; under a KV cache it covers the new keys \
-                 ({new}) or cached plus new keys ({})",
-                cached + new
+                 ({new}), cached plus new keys ({}) or every position fed plus new ({})",
+                cached + new,
+                fed + new
             ),
             Self::Storage { reason } => write!(f, "KV cache storage: {reason}"),
             Self::BeyondHalfRange { largest } => write!(
@@ -209,6 +218,9 @@ pub(crate) struct CacheStep {
     pub pinned_keys: usize,
     /// Padding of the cached plus new keys, `[batch, stored + new]`.
     pub padding: Option<Tensor<2, Bool>>,
+    /// Where the step's keys lie in a mask over every position fed (`len() + new` columns),
+    /// once a window evicted some; `None` while the cache holds all it was fed.
+    pub fed_columns: Option<Vec<(usize, usize)>>,
     /// Keys the step attends to: cached plus new.
     pub keys: usize,
     /// The sliding window each new query sees through, if the cache has one.
@@ -363,6 +375,7 @@ impl KvCache {
         // The step's keys at positions below `sinks`, new ones included: until the sinks are
         // all seen nothing is evicted, so the keys are positions `0..seen + new` in order.
         let pinned = self.pinned(self.seen + new);
+        let fed_columns = self.fed_columns(new);
         Ok(CacheStep {
             owner,
             new,
@@ -372,7 +385,8 @@ impl KvCache {
                 key: (self.seen + pinned - stored) as i64,
             },
             pinned_keys: pinned,
-            padding: self.padding_with(padding, batch, new, device)?,
+            padding: self.padding_with(padding, batch, new, fed_columns.as_deref(), device)?,
+            fed_columns,
             keys: stored + new,
             window: match self.limit {
                 CacheLimit::SlidingWindow(window) | CacheLimit::StreamingWindow { window, .. } => {
@@ -517,13 +531,29 @@ impl KvCache {
         Some(ranges.into_iter().filter(|&(_, len)| len > 0).collect())
     }
 
-    /// The padding of stored plus new keys, given this step's mask (`[batch, new]` or
-    /// `[batch, stored + new]`).
+    /// Where the keys of a step of `new` tokens (stored, then new) lie in a mask over every
+    /// position fed (`len() + new` columns), as `(start, length)` ranges: the sinks, then the
+    /// latest positions and the new ones. `None` while the cache holds every position fed.
+    fn fed_columns(&self, new: usize) -> Option<Vec<(usize, usize)>> {
+        let stored = self.stored();
+        if stored == self.seen {
+            return None;
+        }
+        let pinned = self.pinned(self.seen);
+        let recent = stored - pinned;
+        let ranges = [(0, pinned), (self.seen - recent, recent + new)];
+        Some(ranges.into_iter().filter(|&(_, len)| len > 0).collect())
+    }
+
+    /// The padding of stored plus new keys, given this step's mask (`[batch, new]`,
+    /// `[batch, stored + new]`, or over every position fed, whose `fed` columns are the
+    /// step's keys).
     fn padding_with(
         &self,
         mask: Option<Tensor<2, Bool>>,
         batch: usize,
         new: usize,
+        fed: Option<&[(usize, usize)]>,
         device: &Device,
     ) -> Result<Option<Tensor<2, Bool>>, CacheError> {
         let stored = self.stored();
@@ -542,14 +572,32 @@ impl KvCache {
                 .clone()
                 .unwrap_or_else(|| Tensor::<2, Bool>::zeros([batch, stored], device));
             Ok(Some(Tensor::cat(vec![past, mask], 1)))
+        } else if let Some(fed) = fed
+            && width == self.seen + new
+        {
+            Ok(Some(picked_columns(mask, fed)))
         } else {
             Err(CacheError::PaddingWidth {
                 width,
                 cached: stored,
+                fed: self.seen,
                 new,
             })
         }
     }
+}
+
+/// The columns `ranges` (start, length) of `mask`'s last axis, in order, concatenated: a mask
+/// over every position fed narrowed to the positions a window kept.
+pub(crate) fn picked_columns<const D: usize, K: burn::tensor::kind::Basic>(
+    mask: Tensor<D, K>,
+    ranges: &[(usize, usize)],
+) -> Tensor<D, K> {
+    let parts = ranges
+        .iter()
+        .map(|&(start, len)| mask.clone().narrow(D - 1, start, len))
+        .collect();
+    Tensor::cat(parts, D - 1)
 }
 
 /// Keys and values of a fixed memory (an encoder's output), projected once and reused by a

@@ -31,9 +31,11 @@ impl MultiHeadAttention {
     /// Feeding a sequence in any number of steps gives the outputs of one causal
     /// [`forward`](Self::forward) over the whole sequence.
     ///
-    /// `key_padding_mask` covers either the new keys (`[batch, new]`, remembered by the cache)
-    /// or cached plus new keys (`[batch, stored + new]`); `attn_mask` covers
-    /// `[new, stored + new]`.
+    /// `key_padding_mask` covers either the new keys (`[batch, new]`, remembered by the cache),
+    /// cached plus new keys (`[batch, stored + new]`), or every position fed and the new ones
+    /// (`[batch, len + new]`, as Hugging Face's models take it; once a window evicted, the
+    /// cache picks the columns of the positions it holds); `attn_mask` covers
+    /// `[new, stored + new]` or `[new, len + new]`.
     ///
     /// # Shapes
     ///
@@ -88,6 +90,13 @@ impl MultiHeadAttention {
             key_padding_mask,
             &query.device(),
         )?;
+        // A mask over every position fed, once a window evicted some: its kept columns.
+        let attn_mask = match (attn_mask, &step.fed_columns) {
+            (Some(mask), Some(columns)) if mask.dims()[3] == cache.len() + geometry.seq_q => {
+                Some(mask.with_columns(columns))
+            }
+            (mask, _) => mask,
+        };
         let visibility = Visibility {
             key_padding: step.padding.clone(),
             attn_mask,

@@ -117,6 +117,17 @@ pub(crate) enum MaskValues {
 }
 
 impl AttnMask {
+    /// The mask's key columns `ranges` (start, length), in order.
+    pub(crate) fn with_columns(self, ranges: &[(usize, usize)]) -> Self {
+        let values = match self.values {
+            MaskValues::Bool(mask) => MaskValues::Bool(crate::cache::picked_columns(mask, ranges)),
+            MaskValues::Float(bias) => {
+                MaskValues::Float(crate::cache::picked_columns(bias, ranges))
+            }
+        };
+        Self { values, ..self }
+    }
+
     pub(crate) fn dims(&self) -> [usize; 4] {
         match &self.values {
             MaskValues::Bool(mask) => mask.dims(),

@@ -302,6 +302,7 @@ fn capacity_and_batch_changes_are_refused_and_leave_the_cache_unchanged() {
         CacheError::PaddingWidth {
             width: 2,
             cached: 3,
+            fed: 3,
             new: 1
         }
     );
@@ -1001,6 +1002,77 @@ fn caches_reserve_at_most_their_size_again_and_never_past_a_fixed_capacity() {
             assert!(
                 spare_seen,
                 "{storage:?} {limit:?}: no room kept to append in place"
+            );
+        }
+    }
+}
+
+/// Masks over every position fed (`[batch, len + new]` padding, `[new, len + new]` attention
+/// masks), as Hugging Face's models pass them, hold under windows that evicted positions: the
+/// same answers as one forward with the window's mask, the padding and the attention mask.
+#[test]
+fn masks_over_every_position_fed_hold_after_a_window_evicts() {
+    for (name, device) in test_devices() {
+        let _seed = common::seed(&device, 23);
+        let module = MultiHeadAttentionConfig::new(16, 4)
+            .with_n_kv_heads(Some(2))
+            .with_rope(Some(RopeConfig::new()))
+            .init(&device);
+        let seq = 12;
+        let x = randn([2, seq, 16], &device);
+        // Sequence 0 pads position 1 (a sink) and 6, sequence 1 position 8.
+        let padded = |b: usize, k: usize| (b == 0 && (k == 1 || k == 6)) || (b == 1 && k == 8);
+        let padding_values: Vec<bool> = (0..2)
+            .flat_map(|b| (0..seq).map(move |k| padded(b, k)))
+            .collect();
+        let padding =
+            Tensor::<2, Bool>::from_data(TensorData::new(padding_values, [2, seq]), &device);
+        // Every third query may not see the key just before it.
+        let hidden = |q: usize, k: usize| q.is_multiple_of(3) && k + 1 == q;
+        for (sinks, window) in [(0, 4), (2, 3)] {
+            let limit = if sinks == 0 {
+                CacheLimit::SlidingWindow(window)
+            } else {
+                CacheLimit::StreamingWindow { sinks, window }
+            };
+            let mask_values: Vec<bool> = (0..seq)
+                .flat_map(|q| {
+                    (0..seq).map(move |k| k > q || (k >= sinks && k + window <= q) || hidden(q, k))
+                })
+                .collect();
+            let full = module
+                .forward(
+                    MhaInput::self_attn(x.clone())
+                        .attn_mask(Tensor::<2, Bool>::from_data(
+                            TensorData::new(mask_values, [seq, seq]),
+                            &device,
+                        ))
+                        .key_padding_mask(padding.clone()),
+                )
+                .context;
+            let attn_values: Vec<bool> = (0..seq)
+                .flat_map(|q| (0..seq).map(move |k| hidden(q, k)))
+                .collect();
+            let attn =
+                Tensor::<2, Bool>::from_data(TensorData::new(attn_values, [seq, seq]), &device);
+            let mut cache = KvCache::with_limit(limit);
+            let mut outputs = Vec::new();
+            let mut start = 0;
+            for len in [3, 1, 2, 1, 1, 4] {
+                let fed = start + len;
+                let step = MhaInput::self_attn(x.clone().narrow(1, start, len))
+                    .causal()
+                    .key_padding_mask(padding.clone().narrow(1, 0, fed))
+                    .attn_mask(attn.clone().narrow(0, start, len).narrow(1, 0, fed));
+                outputs.push(module.forward_cached(step, &mut cache).unwrap().context);
+                start = fed;
+            }
+            assert!(cache.stored() < cache.len());
+            assert_close(
+                &format!("{name}: {limit:?}"),
+                Tensor::cat(outputs, 1),
+                full,
+                tolerance(name),
             );
         }
     }
