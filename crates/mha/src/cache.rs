@@ -297,7 +297,9 @@ impl KvCache {
 
     /// Bytes the key and value buffers take (padding not counted); a cache's buffers keep room
     /// for as many positions again as they hold at most (none under a window), so that
-    /// appending does not copy the cache at every step.
+    /// appending does not copy the cache at every step. A windowed layer's cache in a
+    /// Transformer stack also holds its buffers from before the last step (not counted), to
+    /// take the step back if a later layer refuses it.
     pub fn bytes(&self) -> usize {
         [&self.key, &self.value]
             .into_iter()
@@ -336,7 +338,8 @@ impl KvCache {
     }
 
     /// Checks a step of `new` tokens of `batch` sequences by `owner`, with this step's padding
-    /// mask (`[batch, new]` or `[batch, stored + new]`), and says what it attends to. Changes
+    /// mask (`[batch, new]`, `[batch, stored + new]` or `[batch, len + new]`), and says what it
+    /// attends to. Changes
     /// nothing: a refused step leaves the cache as it was.
     pub(crate) fn begin(
         &self,

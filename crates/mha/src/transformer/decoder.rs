@@ -433,8 +433,9 @@ impl TransformerDecoder {
                     cache.self_attention[..index]
                         .iter_mut()
                         .for_each(KvCache::undo_last_step);
-                    if cache.self_attention[0].is_empty() {
-                        // The refused step was the first: the next is, and projects its memory.
+                    if index > 0 && cache.self_attention[0].is_empty() {
+                        // A later layer refused the first step: the next is the first, and
+                        // projects its memory.
                         cache.memory.iter_mut().for_each(|slot| *slot = None);
                     }
                     return Err(error);

@@ -338,8 +338,9 @@ impl TransformerEncoder {
     ///
     /// # Shapes
     ///
-    /// - input: `[batch, new, d_model]`; a padding mask covers the new positions or cached
-    ///   plus new ones
+    /// - input: `[batch, new, d_model]`; masks cover the keys as in
+    ///   [`MultiHeadAttention::forward_cached`] (the new positions, cached plus new ones, or
+    ///   every position fed plus the new ones)
     /// - output: `[batch, new, d_model]`
     ///
     /// # Panics
