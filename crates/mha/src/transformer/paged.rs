@@ -210,8 +210,8 @@ impl TransformerEncoder {
     /// [`CacheStorage::Half`](crate::CacheStorage)'s range
     /// ([`PagedCacheError::BeyondHalfRange`]) after the layers before it stored the step: those
     /// take it back, and the whole blocks it overwrote are no longer shared by later prompts
-    /// (in any layer, so that the layers stay alike). To do so, each layer keeps a copy of its
-    /// pool's per-block bookkeeping (a few bytes per block) from one step to the next.
+    /// (in any layer, so that the layers stay alike). To do so, each layer keeps the list of
+    /// blocks its last step took and copied, and its sequences' tables before it.
     ///
     /// # Shapes
     ///

@@ -362,3 +362,66 @@ fn a_step_taken_back_leaves_the_cache_as_it_was_but_for_the_filings_it_overwrote
     assert_eq!(cache.add_sequence_with_prompt(&[9, 9, 9, 9, 9]).cached, 0);
     assert_eq!(cache.add_sequence_with_prompt(&[1, 2, 3, 4, 5]).cached, 4);
 }
+
+/// Stores a step of `runs` into `cache` (which keeps its steps), takes it back, and checks
+/// that the cache is as it was but for the filings the step overwrote; gives those.
+fn taken_back(cache: &mut PagedKvCache, runs: &[(SequenceId, usize)]) -> Vec<usize> {
+    let before = cache.clone();
+    numbered_step(cache, owner_of(cache), runs, 500.0);
+    let overwritten = cache.undo_last_step();
+    let mut expected = before.clone();
+    expected.forget_overwritten(&overwritten);
+    assert!(
+        cache.same_bookkeeping(&expected),
+        "{cache:#?}\n{expected:#?}"
+    );
+    if before.stores().is_some() {
+        assert_eq!(contents(cache), contents(&before));
+    } else {
+        assert!(cache.stores().is_none() && cache.block_bytes() == 0);
+    }
+    overwritten
+}
+
+/// The module a cache holds the keys of, or a new one.
+fn owner_of(cache: &PagedKvCache) -> CacheOwner {
+    cache.owner.unwrap_or_else(owner)
+}
+
+#[test]
+fn int8_steps_are_taken_back_the_first_a_filed_block_written_in_place_and_one_copied() {
+    let int8 = |blocks| {
+        let mut cache = PagedKvCacheConfig::new(blocks)
+            .with_block_size(4)
+            .with_storage(CacheStorage::Int8)
+            .init();
+        cache.keep_undo();
+        cache
+    };
+    let prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9];
+    // The first step: the cache is empty again, with no pool.
+    let mut cache = int8(8);
+    let a = cache.add_sequence_with_prompt(&prompt).id;
+    assert!(taken_back(&mut cache, &[(a, 9)]).is_empty());
+    assert_eq!((cache.len(a), cache.filed_blocks()), (Some(0), 0));
+
+    // A fork alone in a full pool writes its filed partial block in place (its filing is
+    // forgotten, in every layer of a stack).
+    let mut cache = int8(2);
+    let a = cache.add_sequence_with_prompt(&prompt[..8]).id;
+    numbered_step(&mut cache, owner(), &[(a, 8)], 0.0);
+    let fork = cache.fork_prefix(a, 6).unwrap();
+    cache.remove_sequence(a).unwrap();
+    let filed = cache.table(fork).unwrap().blocks[1];
+    assert_eq!(taken_back(&mut cache, &[(fork, 1)]), [filed]);
+
+    // A fork, the only holder of a filed partial block, copies it: the block goes back to
+    // the filed free blocks, and returns to the fork when the step is taken back.
+    let mut cache = int8(8);
+    let a = cache.add_sequence_with_prompt(&prompt).id;
+    numbered_step(&mut cache, owner(), &[(a, 9)], 0.0);
+    let fork = cache.fork_prefix(a, 5).unwrap();
+    cache.remove_sequence(a).unwrap();
+    assert!(taken_back(&mut cache, &[(fork, 2)]).is_empty());
+    assert_eq!(cache.add_sequence_with_prompt(&prompt).cached, 8);
+}

@@ -13,16 +13,25 @@
 //! the free ones, or a fork's filed partial block written in place): their filings cannot be
 //! restored, so every layer forgets them ([`PagedKvCache::forget_overwritten`]).
 
-use super::{
-    BlockCopy, BlockTable, CacheOwner, FreeBlocks, PagedKvCache, PagedStep, SequenceId, UndoLog,
-};
+use super::{BlockCopy, BlockTable, CacheOwner, PagedKvCache, PagedStep, SequenceId, UndoLog};
 
-/// What one stored step changed in a [`PagedKvCache`], as far as taking it back needs.
+/// What one stored step changed in a [`PagedKvCache`], as far as taking it back needs: the
+/// blocks it touched, not the whole pool's bookkeeping, so that keeping it costs a step what
+/// the step costs.
 #[derive(Debug, Clone)]
 pub(super) struct StepUndo {
-    /// Each block's holders before the step (the pool's size before it grew).
-    refcounts: Vec<u32>,
-    free: FreeBlocks,
+    /// The pool's size in blocks before the step grew it.
+    pool_blocks: usize,
+    /// The free blocks the step took from the end of the unfiled ones, in their order there.
+    unfiled_taken: Vec<usize>,
+    /// The free blocks it took from the front of the filed ones, in their order there.
+    filed_taken: Vec<usize>,
+    /// Blocks the pool grew by that the step left free (at the end of the unfiled ones).
+    grown_left: usize,
+    /// Every block the step took (free before it).
+    taken: Vec<usize>,
+    /// The shared blocks copied, each released once by its copier, in the step's order.
+    copied_from: Vec<usize>,
     /// The tables of the step's sequences before it.
     tables: Vec<(SequenceId, BlockTable)>,
     /// The filed whole blocks of the step's sequences before it.
@@ -51,9 +60,24 @@ impl StepUndo {
             .iter()
             .map(|sequence| (sequence.id, cache.records[&sequence.id].filed.len()))
             .collect();
+        let pool = &step.pool;
+        let unfiled = &cache.free.unfiled;
         StepUndo {
-            refcounts: cache.refcounts.clone(),
-            free: cache.free.clone(),
+            pool_blocks: cache.refcounts.len(),
+            unfiled_taken: unfiled[unfiled.len() - pool.free_taken..].to_vec(),
+            filed_taken: cache
+                .free
+                .filed
+                .range(..pool.filed_taken)
+                .copied()
+                .collect(),
+            grown_left: pool.grown.len(),
+            taken: pool.taken.clone(),
+            copied_from: step
+                .sequences
+                .iter()
+                .filter_map(|sequence| Some(sequence.copy?.from))
+                .collect(),
             tables,
             filed_lens,
             last_entry: cache.prefixes.last_id(),
@@ -101,8 +125,7 @@ fn restores(cache: &PagedKvCache, step: &PagedStep) -> Vec<BlockCopy> {
 
 impl PagedKvCache {
     /// Keeps what each step changes from now on, for [`undo_last_step`](Self::undo_last_step):
-    /// two copies of the pool's per-block bookkeeping (a few bytes per block) and the step's
-    /// tables, until the next step.
+    /// the blocks it took and copied and its sequences' tables, until the next step.
     pub(crate) fn keep_undo(&mut self) {
         self.undo = UndoLog::On(None);
     }
@@ -132,8 +155,7 @@ impl PagedKvCache {
             self.prefixes.forget(block);
         }
         self.prefixes.rewind_ids(undo.last_entry);
-        self.refcounts = undo.refcounts;
-        self.free = undo.free;
+        self.restore_pool(&undo);
         self.sequences.extend(undo.tables);
         for (id, filed) in undo.filed_lens {
             let record = self.records.get_mut(&id).expect("a sequence of the step");
@@ -146,6 +168,32 @@ impl PagedKvCache {
         }
         self.forget_overwritten(&undo.overwritten_filings);
         undo.overwritten_filings
+    }
+
+    /// The reference counts and free blocks as they were before the step `undo` recorded, in
+    /// the reverse order of the step's changes (`store`).
+    fn restore_pool(&mut self, undo: &StepUndo) {
+        let free = &mut self.free;
+        for &from in undo.copied_from.iter().rev() {
+            if self.refcounts[from] == 0 {
+                // Its copier released it last, onto the back of one of the free lists.
+                if free.filed.back() == Some(&from) {
+                    free.filed.pop_back();
+                } else {
+                    assert_eq!(free.unfiled.pop(), Some(from), "a released block is free");
+                }
+            }
+            self.refcounts[from] += 1;
+        }
+        for &block in &undo.taken {
+            self.refcounts[block] = 0;
+        }
+        free.unfiled.truncate(free.unfiled.len() - undo.grown_left);
+        free.unfiled.extend(&undo.unfiled_taken);
+        for &block in undo.filed_taken.iter().rev() {
+            free.filed.push_front(block);
+        }
+        self.refcounts.truncate(undo.pool_blocks);
     }
 
     /// Forgets the filings of `blocks` (written by a step that another layer took back); those
