@@ -339,8 +339,7 @@ impl KvCache {
 
     /// Checks a step of `new` tokens of `batch` sequences by `owner`, with this step's padding
     /// mask (`[batch, new]`, `[batch, stored + new]` or `[batch, len + new]`), and says what it
-    /// attends to. Changes
-    /// nothing: a refused step leaves the cache as it was.
+    /// attends to. Changes nothing: a refused step leaves the cache as it was.
     pub(crate) fn begin(
         &self,
         owner: CacheOwner,
@@ -499,15 +498,7 @@ impl KvCache {
                 self.value = None;
             }
             Some(ranges) => {
-                self.padding = padding.map(|padding| {
-                    Tensor::cat(
-                        ranges
-                            .iter()
-                            .map(|&(start, len)| padding.clone().narrow(1, start, len))
-                            .collect(),
-                        1,
-                    )
-                });
+                self.padding = padding.map(|padding| picked(&padding, 1, &ranges));
                 self.key = Some(key.select(&ranges));
                 self.value = Some(value.select(&ranges));
             }
@@ -578,7 +569,7 @@ impl KvCache {
         } else if let Some(fed) = fed
             && width == self.seen + new
         {
-            Ok(Some(picked_columns(mask, fed)))
+            Ok(Some(picked(&mask, 1, fed)))
         } else {
             Err(CacheError::PaddingWidth {
                 width,
@@ -590,17 +581,19 @@ impl KvCache {
     }
 }
 
-/// The columns `ranges` (start, length) of `mask`'s last axis, in order, concatenated: a mask
-/// over every position fed narrowed to the positions a window kept.
-pub(crate) fn picked_columns<const D: usize, K: burn::tensor::kind::Basic>(
-    mask: Tensor<D, K>,
+/// Positions `ranges` (start, length) of `tensor` along `axis`, in order, concatenated: what
+/// a window keeps of stored keys, values or padding, or the columns of a mask over every
+/// position fed that the positions it kept are.
+pub(crate) fn picked<const D: usize, K: burn::tensor::kind::Basic>(
+    tensor: &Tensor<D, K>,
+    axis: usize,
     ranges: &[(usize, usize)],
 ) -> Tensor<D, K> {
     let parts = ranges
         .iter()
-        .map(|&(start, len)| mask.clone().narrow(D - 1, start, len))
+        .map(|&(start, len)| tensor.clone().narrow(axis, start, len))
         .collect();
-    Tensor::cat(parts, D - 1)
+    Tensor::cat(parts, axis)
 }
 
 /// Keys and values of a fixed memory (an encoder's output), projected once and reused by a

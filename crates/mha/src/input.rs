@@ -2,6 +2,8 @@
 
 use burn::tensor::{Bool, Int, Tensor};
 
+use crate::cache::picked;
+
 /// Which attention weights a forward returns (PyTorch's `need_weights` and
 /// `average_attn_weights`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -120,10 +122,8 @@ impl AttnMask {
     /// The mask's key columns `ranges` (start, length), in order.
     pub(crate) fn with_columns(self, ranges: &[(usize, usize)]) -> Self {
         let values = match self.values {
-            MaskValues::Bool(mask) => MaskValues::Bool(crate::cache::picked_columns(mask, ranges)),
-            MaskValues::Float(bias) => {
-                MaskValues::Float(crate::cache::picked_columns(bias, ranges))
-            }
+            MaskValues::Bool(mask) => MaskValues::Bool(picked(&mask, 3, ranges)),
+            MaskValues::Float(bias) => MaskValues::Float(picked(&bias, 3, ranges)),
         };
         Self { values, ..self }
     }

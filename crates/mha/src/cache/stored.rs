@@ -4,6 +4,7 @@
 use burn::tensor::kind::Basic;
 use burn::tensor::{DType, Int, Tensor};
 
+use super::picked;
 use super::storage::{CacheStorage, Quantized, dequantize_int8, in_dtype, quantize_int8};
 #[cfg(any(feature = "flex", feature = "ndarray"))]
 use super::widen;
@@ -171,12 +172,12 @@ impl Stored {
         let kept = ranges.iter().map(|&(_, len)| len).sum();
         match self {
             Self::Float { buffer, .. } => Self::Float {
-                buffer: picked(&buffer, ranges),
+                buffer: picked(&buffer, 2, ranges),
                 len: kept,
             },
             Self::Int8 { values, scales, .. } => Self::Int8 {
-                values: picked(&values, ranges),
-                scales: picked(&scales, ranges),
+                values: picked(&values, 2, ranges),
+                scales: picked(&scales, 2, ranges),
                 len: kept,
             },
         }
@@ -228,15 +229,4 @@ fn appended<K: Basic>(
         parts.push(zeros);
     }
     Tensor::cat(parts, 2)
-}
-
-/// Positions `ranges` (start, length) of `buffer`, in order, concatenated.
-fn picked<K: Basic>(buffer: &Tensor<4, K>, ranges: &[(usize, usize)]) -> Tensor<4, K> {
-    Tensor::cat(
-        ranges
-            .iter()
-            .map(|&(start, len)| buffer.clone().narrow(2, start, len))
-            .collect(),
-        2,
-    )
 }

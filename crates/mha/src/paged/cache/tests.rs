@@ -12,19 +12,12 @@ fn owner() -> CacheOwner {
     }
 }
 
-/// One step of `rows[i]` new positions for sequence `ids[i]`, keys and values all `value`.
-fn step(
-    cache: &mut PagedKvCache,
-    owner: CacheOwner,
-    ids: &[SequenceId],
-    rows: &[usize],
-) -> Result<(), PagedCacheError> {
-    let device = Device::flex();
+/// A step's rows for `runs` of (sequence, new positions), side by side, and their count.
+fn sequence_rows(runs: &[(SequenceId, usize)]) -> (Vec<SequenceRows>, usize) {
     let mut start = 0;
-    let sequences: Vec<_> = ids
+    let sequences = runs
         .iter()
-        .zip(rows)
-        .map(|(&id, &count)| {
+        .map(|&(id, count)| {
             start += count;
             SequenceRows {
                 id,
@@ -32,8 +25,21 @@ fn step(
             }
         })
         .collect();
+    (sequences, start)
+}
+
+/// One step of `rows[i]` new positions for sequence `ids[i]`, keys and values all ones.
+fn step(
+    cache: &mut PagedKvCache,
+    owner: CacheOwner,
+    ids: &[SequenceId],
+    rows: &[usize],
+) -> Result<(), PagedCacheError> {
+    let device = Device::flex();
+    let runs: Vec<_> = ids.iter().copied().zip(rows.iter().copied()).collect();
+    let (sequences, rows) = sequence_rows(&runs);
     let step = cache.begin(owner, &sequences, &device)?;
-    let keys = Tensor::<4>::ones([1, 1, start, 2], &device);
+    let keys = Tensor::<4>::ones([1, 1, rows, 2], &device);
     cache.store(&step, &keys, &keys);
     Ok(())
 }
@@ -281,21 +287,10 @@ fn numbered_step(
     base: f32,
 ) {
     let device = Device::flex();
-    let mut start = 0;
-    let sequences: Vec<_> = runs
-        .iter()
-        .map(|&(id, count)| {
-            start += count;
-            SequenceRows {
-                id,
-                rows: start - count..start,
-            }
-        })
-        .collect();
+    let (sequences, rows) = sequence_rows(runs);
     let step = cache.begin(owner, &sequences, &device).unwrap();
-    let keys = (Tensor::<1, burn::tensor::Int>::arange(0..2 * start as i64, &device).float()
-        + base)
-        .reshape([1, 1, start, 2]);
+    let keys = (Tensor::<1, burn::tensor::Int>::arange(0..2 * rows as i64, &device).float() + base)
+        .reshape([1, 1, rows, 2]);
     cache.store(&step, &keys, &(keys.clone() * -1.0));
 }
 

@@ -13,6 +13,8 @@
 //! the free ones, or a fork's filed partial block written in place): their filings cannot be
 //! restored, so every layer forgets them ([`PagedKvCache::forget_overwritten`]).
 
+use std::collections::BTreeMap;
+
 use super::{BlockCopy, BlockTable, CacheOwner, PagedKvCache, PagedStep, SequenceId, UndoLog};
 
 /// What one stored step changed in a [`PagedKvCache`], as far as taking it back needs: the
@@ -93,34 +95,29 @@ impl StepUndo {
 /// from the copy of the sharer that held the most positions, if it held more than the writer
 /// (positions from the writer's first new one up to that sharer's end were overwritten).
 fn restores(cache: &PagedKvCache, step: &PagedStep) -> Vec<BlockCopy> {
-    let block_size = cache.config.block_size;
-    let partial_block = |id: SequenceId, past: usize| {
-        (!past.is_multiple_of(block_size)).then(|| cache.sequences[&id].blocks[past / block_size])
-    };
-    let mut restores = Vec::new();
-    for writer in &step.sequences {
-        if writer.copy.is_some() || writer.rows.is_empty() {
-            continue;
-        }
-        let Some(block) = partial_block(writer.id, writer.past) else {
-            continue;
-        };
-        let longest_copier = step
-            .sequences
-            .iter()
-            .filter_map(|sequence| Some((sequence.past, sequence.copy?)))
-            .filter(|(_, copy)| copy.from == block)
-            .max_by_key(|(past, _)| *past);
-        if let Some((past, copy)) = longest_copier
-            && past > writer.past
-        {
-            restores.push(BlockCopy {
-                from: copy.to,
-                to: block,
-            });
+    // Per block copied from: the copier that held the most positions, and its copy.
+    let mut longest_copier: BTreeMap<usize, (usize, usize)> = BTreeMap::new();
+    for sequence in &step.sequences {
+        if let Some(BlockCopy { from, to }) = sequence.copy {
+            let longest = longest_copier.entry(from).or_insert((sequence.past, to));
+            if sequence.past > longest.0 {
+                *longest = (sequence.past, to);
+            }
         }
     }
-    restores
+    let block_size = cache.config.block_size;
+    step.sequences
+        .iter()
+        .filter(|writer| writer.copy.is_none() && !writer.past.is_multiple_of(block_size))
+        .filter_map(|writer| {
+            let block = cache.sequences[&writer.id].blocks[writer.past / block_size];
+            let &(past, copy) = longest_copier.get(&block)?;
+            (past > writer.past).then_some(BlockCopy {
+                from: copy,
+                to: block,
+            })
+        })
+        .collect()
 }
 
 impl PagedKvCache {
