@@ -9,7 +9,7 @@
 //!
 //! `cargo bench --workspace --features burn-mha/wgpu,train-demo/ndarray,train-demo/wgpu --bench decoding`
 //! (options: `--positions 512,4096,16384`, `--steps 64`, `--concurrent 1,8,32`, `--rounds 16`, `--block-size 16`,
-//! `--ways paged,padded,single`, `--storage float,half,int8`;
+//! `--ways paged,padded,single`, `--storage float,half,int8`, `--layers 1`;
 //! an empty list skips its table).
 
 use std::time::Instant;
@@ -97,6 +97,8 @@ struct Options {
     block_size: usize,
     ways: Vec<concurrent::Way>,
     storages: Vec<mha::CacheStorage>,
+    /// Attention layers the many-sequence table stacks.
+    layers: usize,
 }
 
 impl Options {
@@ -113,6 +115,7 @@ impl Options {
                 mha::CacheStorage::Half,
                 mha::CacheStorage::Int8,
             ],
+            layers: 1,
         };
         let list = |text: String, name: &str| -> Vec<usize> {
             text.split(',')
@@ -128,6 +131,7 @@ impl Options {
                 "--steps" => options.steps = value().parse().expect("--steps: a number"),
                 "--concurrent" => options.concurrency = list(value(), "--concurrent"),
                 "--rounds" => options.rounds = value().parse().expect("--rounds: a number"),
+                "--layers" => options.layers = value().parse().expect("--layers: a number"),
                 "--block-size" => {
                     options.block_size = value().parse().expect("--block-size: a number")
                 }
@@ -199,7 +203,14 @@ fn main() {
             ways: &options.ways,
             storages: &options.storages,
         };
-        concurrent::table(&module, &sizes, &runs, all_threads, &device);
+        // The first layer is the one-sequence table's; the others alike, with their own weights.
+        let mut layers = vec![module];
+        layers.extend((1..options.layers.max(1)).map(|_| {
+            MultiHeadAttentionConfig::new(D_MODEL, HEADS)
+                .with_n_kv_heads(Some(KV_HEADS))
+                .init(&device)
+        }));
+        concurrent::table(&layers, &sizes, &runs, all_threads, &device);
     }
 }
 

@@ -9,6 +9,11 @@
 //! float,half,int8`), which the paged step reads as stored and `KvCache` converts into f32
 //! each step.
 //!
+//! `--layers N` stacks N attention layers, each with its own weights and caches, a round feeding
+//! each layer's output to the next as a model's decoding step does: with one layer the
+//! projection weights stay in the CPU's caches from one sequence to the next, which a model's
+//! many layers do not allow one sequence at a time.
+//!
 //! The ways take turns round by round, so that a shared machine's slow spells fall on all of
 //! them; beside each median the table gives the median of the per-round ratios to the paged
 //! step.
@@ -88,26 +93,30 @@ pub fn parse_storage(name: &str) -> CacheStorage {
 /// Each way's median over `runs.rounds` decoding rounds (one new token for every sequence),
 /// the ways taking turns round by round.
 pub fn table(
-    module: &MultiHeadAttention,
+    layers: &[MultiHeadAttention],
     sizes: &Sizes,
     runs: &Runs,
     bandwidth: f64,
     device: &Device,
 ) {
     println!(
+        "\n{} attention layer(s), each with its own weights and caches",
+        layers.len()
+    );
+    println!(
         "\n| storage | sequences | cached positions (sum, longest) | way | tokens/s | ms per round | time / paged (per-round median) | bytes a round reads | time / bound |"
     );
     println!("|---|---|---|---|---|---|---|---|---|");
     for &storage in runs.storages {
         for &count in runs.concurrency {
-            cell(module, sizes, runs, (storage, count), bandwidth, device);
+            cell(layers, sizes, runs, (storage, count), bandwidth, device);
         }
     }
 }
 
 /// The table's rows for `count` sequences in caches of `storage`.
 fn cell(
-    module: &MultiHeadAttention,
+    layers: &[MultiHeadAttention],
     sizes: &Sizes,
     runs: &Runs,
     (storage, count): (CacheStorage, usize),
@@ -123,7 +132,11 @@ fn cell(
         CacheStorage::Half => 2 * sizes.kv_heads * sizes.head_dim * 2,
         CacheStorage::Int8 => 2 * sizes.kv_heads * (sizes.head_dim + 4),
     };
-    let weight_bytes = 4
+    // Every layer's weights and cached positions.
+    let depth = layers.len();
+    let position_bytes = depth * position_bytes;
+    let weight_bytes = depth
+        * 4
         * (2 * sizes.d_model * sizes.d_model + 2 * sizes.d_model * sizes.kv_heads * sizes.head_dim);
     let mut rounds: Vec<WayRounds> = runs
         .ways
@@ -131,7 +144,7 @@ fn cell(
         .map(|&way| match way {
             Way::Paged => WayRounds {
                 way,
-                round: paged_round(module, (&lengths, storage), runs.rounds, sizes, device),
+                round: paged_round(layers, (&lengths, storage), runs.rounds, sizes, device),
                 bytes: stored * position_bytes + weight_bytes,
             },
             // The flash kernel skips each row's padding (keys outside its unpadded span),
@@ -139,12 +152,12 @@ fn cell(
             // `count · longest` positions.
             Way::Padded => WayRounds {
                 way,
-                round: padded_round(module, (&lengths, storage), sizes, device),
+                round: padded_round(layers, (&lengths, storage), sizes, device),
                 bytes: stored * position_bytes + weight_bytes,
             },
             Way::Single => WayRounds {
                 way,
-                round: one_at_a_time_round(module, (&lengths, storage), sizes, device),
+                round: one_at_a_time_round(layers, (&lengths, storage), sizes, device),
                 bytes: stored * position_bytes + count * weight_bytes,
             },
         })
@@ -197,9 +210,10 @@ fn random(shape: [usize; 3], device: &Device) -> Tensor<3> {
     Tensor::random(shape, Distribution::Default, device)
 }
 
-/// A round of one paged step for every sequence (the pool sized for `rounds` of them).
+/// A round of one paged step for every sequence in each layer (each layer's pool sized for
+/// `rounds` of them).
 fn paged_round<'a>(
-    module: &'a MultiHeadAttention,
+    layers: &'a [MultiHeadAttention],
     (lengths, storage): (&[usize], CacheStorage),
     rounds: usize,
     sizes: &Sizes,
@@ -210,29 +224,44 @@ fn paged_round<'a>(
         .iter()
         .map(|len| (len + rounds + 1).div_ceil(block_size))
         .sum();
-    let mut cache: PagedKvCache = PagedKvCacheConfig::new(blocks)
-        .with_block_size(block_size)
-        .with_storage(storage)
-        .init();
-    let ids: Vec<SequenceId> = lengths.iter().map(|_| cache.add_sequence()).collect();
-    for (&id, &len) in ids.iter().zip(lengths) {
-        let prompt = random([1, len, sizes.d_model], device).reshape([len, sizes.d_model]);
-        module
-            .forward_paged(prompt, &mut cache, &vec![id; len])
-            .expect("the pool was sized for the run");
+    let mut caches: Vec<PagedKvCache> = layers
+        .iter()
+        .map(|_| {
+            PagedKvCacheConfig::new(blocks)
+                .with_block_size(block_size)
+                .with_storage(storage)
+                .init()
+        })
+        .collect();
+    // Every layer's cache adds the sequences in the same order, so that their ids agree.
+    let ids: Vec<SequenceId> = lengths.iter().map(|_| caches[0].add_sequence()).collect();
+    for cache in &mut caches[1..] {
+        let added: Vec<SequenceId> = lengths.iter().map(|_| cache.add_sequence()).collect();
+        assert_eq!(added, ids, "fresh caches number their sequences alike");
+    }
+    for (module, cache) in layers.iter().zip(&mut caches) {
+        for (&id, &len) in ids.iter().zip(lengths) {
+            let prompt = random([1, len, sizes.d_model], device).reshape([len, sizes.d_model]);
+            module
+                .forward_paged(prompt, cache, &vec![id; len])
+                .expect("the pool was sized for the run");
+        }
     }
     let tokens = random([1, ids.len(), sizes.d_model], device).reshape([ids.len(), sizes.d_model]);
     Box::new(move || {
-        let output = module
-            .forward_paged(tokens.clone(), &mut cache, &ids)
-            .expect("the pool was sized for the run");
-        output.into_data();
+        let mut hidden = tokens.clone();
+        for (module, cache) in layers.iter().zip(&mut caches) {
+            hidden = module
+                .forward_paged(hidden, cache, &ids)
+                .expect("the pool was sized for the run");
+        }
+        hidden.into_data();
     })
 }
 
-/// A round of one step of a batch padded to the longest sequence.
+/// A round of one step of a batch padded to the longest sequence, in each layer.
 fn padded_round<'a>(
-    module: &'a MultiHeadAttention,
+    layers: &'a [MultiHeadAttention],
     (lengths, storage): (&[usize], CacheStorage),
     sizes: &Sizes,
     device: &Device,
@@ -246,52 +275,73 @@ fn padded_round<'a>(
         .collect();
     let padding =
         Tensor::<1, Bool>::from_data(padding.as_slice(), device).reshape([count, longest]);
-    let mut cache = KvCache::new().with_storage(storage);
-    let prompt = random([count, longest, sizes.d_model], device);
-    module
-        .forward_cached(
-            MhaInput::self_attn(prompt)
-                .causal()
-                .key_padding_mask(padding),
-            &mut cache,
-        )
-        .expect("an unbounded cache");
-    let tokens = random([count, 1, sizes.d_model], device);
-    Box::new(move || {
-        let output = module
-            .forward_cached(MhaInput::self_attn(tokens.clone()).causal(), &mut cache)
-            .expect("an unbounded cache");
-        output.context.into_data();
-    })
-}
-
-/// A round of one step per sequence, each with its own cache.
-fn one_at_a_time_round<'a>(
-    module: &'a MultiHeadAttention,
-    (lengths, storage): (&[usize], CacheStorage),
-    sizes: &Sizes,
-    device: &Device,
-) -> Box<dyn FnMut() + 'a> {
-    let mut caches: Vec<KvCache> = lengths
+    let mut caches: Vec<KvCache> = layers
         .iter()
-        .map(|&len| {
+        .map(|module| {
             let mut cache = KvCache::new().with_storage(storage);
+            let prompt = random([count, longest, sizes.d_model], device);
             module
                 .forward_cached(
-                    MhaInput::self_attn(random([1, len, sizes.d_model], device)).causal(),
+                    MhaInput::self_attn(prompt)
+                        .causal()
+                        .key_padding_mask(padding.clone()),
                     &mut cache,
                 )
                 .expect("an unbounded cache");
             cache
         })
         .collect();
+    let tokens = random([count, 1, sizes.d_model], device);
+    Box::new(move || {
+        let mut hidden = tokens.clone();
+        for (module, cache) in layers.iter().zip(&mut caches) {
+            hidden = module
+                .forward_cached(MhaInput::self_attn(hidden).causal(), cache)
+                .expect("an unbounded cache")
+                .context;
+        }
+        hidden.into_data();
+    })
+}
+
+/// A round of one step per sequence through every layer, each sequence with its own cache in
+/// each layer.
+fn one_at_a_time_round<'a>(
+    layers: &'a [MultiHeadAttention],
+    (lengths, storage): (&[usize], CacheStorage),
+    sizes: &Sizes,
+    device: &Device,
+) -> Box<dyn FnMut() + 'a> {
+    // caches[sequence][layer]
+    let mut caches: Vec<Vec<KvCache>> = lengths
+        .iter()
+        .map(|&len| {
+            layers
+                .iter()
+                .map(|module| {
+                    let mut cache = KvCache::new().with_storage(storage);
+                    module
+                        .forward_cached(
+                            MhaInput::self_attn(random([1, len, sizes.d_model], device)).causal(),
+                            &mut cache,
+                        )
+                        .expect("an unbounded cache");
+                    cache
+                })
+                .collect()
+        })
+        .collect();
     let token = random([1, 1, sizes.d_model], device);
     Box::new(move || {
-        for cache in &mut caches {
-            let output = module
-                .forward_cached(MhaInput::self_attn(token.clone()).causal(), cache)
-                .expect("an unbounded cache");
-            output.context.into_data();
+        for sequence in &mut caches {
+            let mut hidden = token.clone();
+            for (module, cache) in layers.iter().zip(sequence) {
+                hidden = module
+                    .forward_cached(MhaInput::self_attn(hidden).causal(), cache)
+                    .expect("an unbounded cache")
+                    .context;
+            }
+            hidden.into_data();
         }
     })
 }
