@@ -41,6 +41,10 @@ unsafe fn load<E: TileElement>(elements: *const E, lanes: __mmask16) -> __m512 {
             _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(elements.cast())))
         } else if E::HALF {
             _mm512_cvtph_ps(_mm256_loadu_si256(elements.cast()))
+        } else if lanes == u16::MAX {
+            // Whole vectors unmasked: a masked load that misses the caches is not followed by
+            // the hardware prefetcher (AMD Zen 5: a tile read from memory took 2x as long).
+            _mm512_loadu_ps(elements.cast())
         } else {
             _mm512_maskz_loadu_ps(lanes, elements.cast())
         }
