@@ -131,7 +131,10 @@ impl Options {
                 "--steps" => options.steps = value().parse().expect("--steps: a number"),
                 "--concurrent" => options.concurrency = list(value(), "--concurrent"),
                 "--rounds" => options.rounds = value().parse().expect("--rounds: a number"),
-                "--layers" => options.layers = value().parse().expect("--layers: a number"),
+                "--layers" => {
+                    options.layers = value().parse().expect("--layers: a number");
+                    assert!(options.layers > 0, "--layers: at least 1");
+                }
                 "--block-size" => {
                     options.block_size = value().parse().expect("--block-size: a number")
                 }
@@ -205,7 +208,7 @@ fn main() {
         };
         // The first layer is the one-sequence table's; the others alike, with their own weights.
         let mut layers = vec![module];
-        layers.extend((1..options.layers.max(1)).map(|_| {
+        layers.extend((1..options.layers).map(|_| {
             MultiHeadAttentionConfig::new(D_MODEL, HEADS)
                 .with_n_kv_heads(Some(KV_HEADS))
                 .init(&device)
