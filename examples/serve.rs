@@ -3,8 +3,12 @@
 //! prompts are prefilled in the same step as the other requests' next tokens, a finished
 //! request's blocks go back to the pool at once, and each request is added with its whole prompt,
 //! so that the system prompt every request starts with is found by its tokens, computed once and
-//! shared), and one request at a time with a `KvCache` per layer. Both decode greedily, so each request must get the same tokens either way; the example
-//! prints tokens per second, time to first token and peak cache memory for each.
+//! shared), and one request at a time with a `KvCache` per layer. Both decode greedily, so each
+//! request must get the same tokens either way: the example fails (exit status 1), naming the
+//! requests and where their tokens part, if one does not. It prints tokens per second, time to
+//! first token and peak cache memory for each way: the bytes the sequences in flight store,
+//! and the bytes the caches had allocated at that moment (the pool's blocks, free ones
+//! included; a `KvCache`'s buffers with their room to grow).
 //!
 //! ```sh
 //! cargo run --release --example serve -- --device flex   # or ndarray; wgpu with `--features wgpu`
@@ -25,6 +29,10 @@ use mha::{PagedKvCacheConfig, RopeConfig, SequenceId, Token};
 const VOCAB: usize = 256;
 const D_MODEL: usize = 256;
 const LAYERS: usize = 2;
+const HEADS: usize = 8;
+const KV_HEADS: usize = 2;
+/// Bytes a layer's `KvCache` stores per position: an f32 key and value per key/value head.
+const POSITION_BYTES: usize = 2 * KV_HEADS * (D_MODEL / HEADS) * 4;
 const REQUESTS: usize = 32;
 /// A request arrives every this many milliseconds.
 const ARRIVAL_INTERVAL_MS: u64 = 2;
@@ -81,8 +89,8 @@ impl Model {
     fn new(device: &Device) -> Self {
         Self {
             embedding: EmbeddingConfig::new(VOCAB, D_MODEL).init(device),
-            stack: TransformerEncoderConfig::new(D_MODEL, 4 * D_MODEL, 8, LAYERS)
-                .with_n_kv_heads(Some(2))
+            stack: TransformerEncoderConfig::new(D_MODEL, 4 * D_MODEL, HEADS, LAYERS)
+                .with_n_kv_heads(Some(KV_HEADS))
                 .with_rope(Some(RopeConfig::new()))
                 .with_causal(true)
                 .with_norm_first(true)
@@ -156,7 +164,22 @@ struct Served {
     tokens: Vec<Vec<i64>>,
     wall: Duration,
     first_token: Vec<Duration>,
-    peak_cache_bytes: usize,
+    peak_cache: CacheBytes,
+}
+
+/// A cache's memory at its peak: what the sequences in flight store, and what the cache had
+/// allocated then.
+#[derive(Debug, Clone, Copy, Default)]
+struct CacheBytes {
+    stored: usize,
+    allocated: usize,
+}
+
+impl CacheBytes {
+    /// The larger of `self` and `now` by the bytes stored.
+    fn peak(self, now: CacheBytes) -> CacheBytes {
+        if now.stored > self.stored { now } else { self }
+    }
 }
 
 /// A request being decoded in the batch.
@@ -192,7 +215,7 @@ fn serve_batched(model: &Model, requests: &[Request], device: &Device) -> Served
     let mut waiting: VecDeque<usize> = (0..requests.len()).collect();
     let mut running: Vec<Running> = Vec::new();
     let started = Instant::now();
-    let mut peak_cache_bytes = 0;
+    let mut peak_cache = CacheBytes::default();
     while !waiting.is_empty() || !running.is_empty() {
         // Blocks the running requests will still take: a request joins only if the pool has
         // room for all its tokens beside theirs.
@@ -241,7 +264,10 @@ fn serve_batched(model: &Model, requests: &[Request], device: &Device) -> Served
             sequences.extend(std::iter::repeat_n(run.id, prompt.len() - cached));
         }
         let next = model.step_paged(&step_tokens, &sequences, &mut cache, device);
-        peak_cache_bytes = peak_cache_bytes.max(cache.bytes_in_use());
+        peak_cache = peak_cache.peak(CacheBytes {
+            stored: cache.bytes_in_use(),
+            allocated: cache.reserved_bytes(),
+        });
         for (run, _) in &joining {
             first_token[run.request] = started.elapsed() - requests[run.request].arrival;
         }
@@ -261,7 +287,7 @@ fn serve_batched(model: &Model, requests: &[Request], device: &Device) -> Served
         tokens,
         wall: started.elapsed(),
         first_token,
-        peak_cache_bytes,
+        peak_cache,
     }
 }
 
@@ -270,7 +296,7 @@ fn serve_batched(model: &Model, requests: &[Request], device: &Device) -> Served
 fn serve_one_at_a_time(model: &Model, requests: &[Request], device: &Device) -> Served {
     let mut tokens = Vec::new();
     let mut first_token = Vec::new();
-    let mut peak_cache_bytes = 0;
+    let mut peak_cache = CacheBytes::default();
     let started = Instant::now();
     let system = system_prompt();
     for request in requests {
@@ -283,15 +309,22 @@ fn serve_one_at_a_time(model: &Model, requests: &[Request], device: &Device) -> 
             let last = *generated.last().expect("a first token");
             generated.push(model.step_cached(&[last], &mut cache, device));
         }
-        let bytes: usize = cache.layers.iter().map(|layer| layer.bytes()).sum();
-        peak_cache_bytes = peak_cache_bytes.max(bytes);
+        peak_cache = peak_cache.peak(CacheBytes {
+            stored: cache
+                .layers
+                .iter()
+                .map(|layer| layer.stored())
+                .sum::<usize>()
+                * POSITION_BYTES,
+            allocated: cache.layers.iter().map(|layer| layer.bytes()).sum(),
+        });
         tokens.push(generated);
     }
     Served {
         tokens,
         wall: started.elapsed(),
         first_token,
-        peak_cache_bytes,
+        peak_cache,
     }
 }
 
@@ -304,14 +337,16 @@ fn report(way: &str, served: &Served) {
         .collect();
     first.sort_by(f64::total_cmp);
     let mean = first.iter().sum::<f64>() / first.len() as f64;
+    let mib = |bytes: usize| bytes as f64 / (1 << 20) as f64;
     println!(
-        "| {way} | {:.0} | {:.2} | {:.0} / {:.0} / {:.0} | {:.2} MiB |",
+        "| {way} | {:.0} | {:.2} | {:.0} / {:.0} / {:.0} | {:.2} MiB / {:.2} MiB |",
         generated as f64 / served.wall.as_secs_f64(),
         served.wall.as_secs_f64(),
         mean,
         first[first.len() / 2],
         first[first.len() - 1],
-        served.peak_cache_bytes as f64 / (1 << 20) as f64
+        mib(served.peak_cache.stored),
+        mib(served.peak_cache.allocated)
     );
 }
 
@@ -332,7 +367,7 @@ fn main() {
     let batched = serve_batched(&model, &requests, &device);
     let alone = serve_one_at_a_time(&model, &requests, &device);
     println!(
-        "| way | tokens/s | wall s | time to first token, ms (mean / median / max) | peak cache memory |"
+        "| way | tokens/s | wall s | time to first token, ms (mean / median / max) | peak cache memory: stored / allocated |"
     );
     println!("|---|---|---|---|---|");
     report(
@@ -342,13 +377,26 @@ fn main() {
         &batched,
     );
     report("one at a time (KvCache per layer)", &alone);
-    let same = batched
+    // The two ways compute the same attention to within float rounding, so only a bug or a
+    // near-tie between two logits could make a greedy choice differ.
+    let parted: Vec<String> = batched
         .tokens
         .iter()
         .zip(&alone.tokens)
-        .filter(|(a, b)| a == b)
-        .count();
-    // The two ways compute the same attention to within float rounding, so only a near-tie
-    // between two logits could make a greedy choice differ.
+        .enumerate()
+        .filter_map(|(request, (batched, alone))| {
+            let at = batched.iter().zip(alone).position(|(a, b)| a != b);
+            let at = at.or((batched.len() != alone.len()).then(|| batched.len().min(alone.len())));
+            at.map(|at| format!("request {request} from token {at}"))
+        })
+        .collect();
+    let same = REQUESTS - parted.len();
     println!("\n{same} of {REQUESTS} requests got the same tokens both ways");
+    if !parted.is_empty() {
+        eprintln!(
+            "error: the two ways gave different tokens: {}",
+            parted.join(", ")
+        );
+        std::process::exit(1);
+    }
 }

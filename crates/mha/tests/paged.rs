@@ -427,6 +427,137 @@ fn a_full_pool_refuses_the_step_naming_the_sequence_and_loses_no_state() {
 }
 
 #[test]
+fn a_refused_step_leaves_bystanders_forks_and_shared_blocks_as_they_were() {
+    for name in ["flex", "ndarray"] {
+        let device = common::device_by_name(name).unwrap();
+        let _seed = common::seed(&device, 39);
+        let module = MultiHeadAttentionConfig::new(D_MODEL, 4)
+            .with_n_kv_heads(Some(2))
+            .with_rope(Some(RopeConfig::new()))
+            .init(&device);
+        for storage in storages(&device) {
+            let config = PagedKvCacheConfig::new(8)
+                .with_block_size(4)
+                .with_storage(storage);
+            let label = format!("{name} refused {storage:?}");
+            let mut harness = Harness::new(&module, &device, config, label.clone(), 1e-5);
+            let (a, bystander, b) = (harness.add(), harness.add(), harness.add());
+            harness.step(&[(a, 6), (bystander, 5), (b, 3)]);
+            // `fork` shares both of `a`'s blocks, the second partly filled.
+            let fork = harness.fork(a);
+            assert_eq!(
+                (harness.paged.blocks_in_use(), harness.paged.free_blocks()),
+                (5, 3),
+                "{label}"
+            );
+            // `a` copies the shared block (1), `fork` then writes into it alone and takes a
+            // block (1), `b` needs two of the one left.
+            let mut ids = vec![a];
+            ids.extend([fork; 3]);
+            ids.extend([b; 6]);
+            let error = module
+                .forward_paged(randn([10, D_MODEL], &device), &mut harness.paged, &ids)
+                .unwrap_err();
+            assert_eq!(
+                error,
+                PagedCacheError::PoolFull {
+                    sequence: b,
+                    needed: 4,
+                    free: 3
+                },
+                "{label}"
+            );
+            assert_eq!(
+                (harness.paged.blocks_in_use(), harness.paged.free_blocks()),
+                (5, 3),
+                "{label}"
+            );
+            let lens = [a, fork, bystander, b].map(|id| harness.paged.len(id));
+            assert_eq!(lens, [6, 6, 5, 3].map(Some), "{label}");
+            // Every sequence goes on as if the refused step had never been tried: the fork and
+            // `a` still share the partly filled block until they write into it.
+            harness.step(&[(bystander, 1), (a, 1), (fork, 2), (b, 1)]);
+            harness.step(&[(fork, 1), (a, 1), (bystander, 2)]);
+        }
+    }
+}
+
+#[test]
+fn a_stack_refuses_a_step_its_pools_cannot_hold_and_every_layer_keeps_its_state() {
+    use mha::transformer::{
+        PagedTransformerCache, TransformerEncoderCache, TransformerEncoderInput,
+    };
+    let device = Device::flex();
+    let _seed = common::seed(&device, 40);
+    let stack = common::causal_stack(D_MODEL, &device);
+    for storage in [CacheStorage::Float, CacheStorage::Int8] {
+        let mut paged = stack.new_paged_cache(
+            PagedKvCacheConfig::new(4)
+                .with_block_size(4)
+                .with_storage(storage),
+        );
+        let mut alone: BTreeMap<SequenceId, TransformerEncoderCache> = BTreeMap::new();
+        let step = |paged: &mut PagedTransformerCache,
+                    alone: &mut BTreeMap<SequenceId, TransformerEncoderCache>,
+                    rows: &[(SequenceId, usize)]| {
+            let total = rows.iter().map(|(_, n)| n).sum();
+            let x = randn([total, D_MODEL], &device);
+            let ids: Vec<SequenceId> = rows
+                .iter()
+                .flat_map(|&(id, n)| std::iter::repeat_n(id, n))
+                .collect();
+            let output = stack.forward_paged(x.clone(), paged, &ids).unwrap();
+            let mut start = 0;
+            for &(id, n) in rows {
+                let tokens = x.clone().narrow(0, start, n).reshape([1, n, D_MODEL]);
+                let expected = stack
+                    .forward_cached(
+                        TransformerEncoderInput::new(tokens),
+                        alone.get_mut(&id).unwrap(),
+                    )
+                    .unwrap()
+                    .reshape([n, D_MODEL]);
+                let label = format!("stack {storage:?} {id} rows {start}..{}", start + n);
+                assert_close(&label, output.clone().narrow(0, start, n), expected, 1e-5);
+                start += n;
+            }
+        };
+        let mut add = |paged: &mut PagedTransformerCache| {
+            let id = paged.add_sequence();
+            let mut cache = stack.new_cache();
+            cache
+                .layers
+                .iter_mut()
+                .for_each(|layer| *layer = KvCache::new().with_storage(storage));
+            alone.insert(id, cache);
+            id
+        };
+        let (a, b) = (add(&mut paged), add(&mut paged));
+        step(&mut paged, &mut alone, &[(a, 6), (b, 2)]);
+        let mut ids = vec![a];
+        ids.extend([b; 7]);
+        let error = stack
+            .forward_paged(randn([8, D_MODEL], &device), &mut paged, &ids)
+            .unwrap_err();
+        assert_eq!(
+            error,
+            PagedCacheError::PoolFull {
+                sequence: b,
+                needed: 2,
+                free: 1
+            },
+            "{storage:?}"
+        );
+        assert_eq!((paged.len(a), paged.len(b)), (Some(6), Some(2)));
+        assert_eq!(paged.free_blocks(), 1, "{storage:?}");
+        // Both sequences go on, through every layer, as if the step had never been tried.
+        step(&mut paged, &mut alone, &[(a, 1), (b, 3)]);
+        paged.remove_sequence(a).unwrap();
+        step(&mut paged, &mut alone, &[(b, 8)]);
+    }
+}
+
+#[test]
 fn cache_memory_stays_within_one_block_per_sequence_of_what_is_stored() {
     let device = Device::flex();
     let _seed = common::seed(&device, 36);

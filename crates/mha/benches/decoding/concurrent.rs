@@ -2,12 +2,13 @@
 //! mixed cached lengths (128–4096 positions), three ways — one `forward_paged` step for all of
 //! them over a `PagedKvCache`, one `forward_cached` step of a `KvCache` batch padded to the
 //! longest, and one `forward_cached` step per sequence, each with its own `KvCache` — beside the
-//! bytes each way's step reads and the time that takes at the read bandwidth measured on every
-//! core (the steps run on rayon's threads).
+//! bytes each way's step reads and writes and the time that takes at the read bandwidth
+//! measured on every core (the steps run on rayon's threads).
 //!
 //! Each table row is one storage of the caches too: f32, f16 or int8 (`--storage
 //! float,half,int8`), which the paged step reads as stored and `KvCache` converts into f32
-//! each step.
+//! each step: its byte counts add that pass (the stored bytes read, the f32 copy written)
+//! and the kernel reading the copy.
 //!
 //! `--layers N` stacks N attention layers, each with its own weights and caches, a round feeding
 //! each layer's output to the next as a model's decoding step does: with one layer the
@@ -104,7 +105,7 @@ pub fn table(
         layers.len()
     );
     println!(
-        "\n| storage | sequences | cached positions (sum, longest) | way | tokens/s | ms per round | time / paged (per-round median) | bytes a round reads | time / bound |"
+        "\n| storage | sequences | cached positions (sum, longest) | way | tokens/s | ms per round | time / paged (per-round median) | bytes a round reads and writes | time / bound |"
     );
     println!("|---|---|---|---|---|---|---|---|---|");
     for &storage in runs.storages {
@@ -127,17 +128,26 @@ fn cell(
     let longest = *lengths.iter().max().expect("a sequence");
     let stored: usize = lengths.iter().sum();
     // Keys and values of every key/value head: f32, f16, or i8 and an f32 scale.
+    let float_position_bytes = 2 * sizes.kv_heads * sizes.head_dim * 4;
     let position_bytes = match storage {
-        CacheStorage::Float => 2 * sizes.kv_heads * sizes.head_dim * 4,
+        CacheStorage::Float => float_position_bytes,
         CacheStorage::Half => 2 * sizes.kv_heads * sizes.head_dim * 2,
         CacheStorage::Int8 => 2 * sizes.kv_heads * (sizes.head_dim + 4),
     };
     // Every layer's weights and cached positions.
     let depth = layers.len();
-    let position_bytes = depth * position_bytes;
+    let (position_bytes, float_position_bytes) =
+        (depth * position_bytes, depth * float_position_bytes);
     let weight_bytes = depth
         * 4
         * (2 * sizes.d_model * sizes.d_model + 2 * sizes.d_model * sizes.kv_heads * sizes.head_dim);
+    // What a `KvCache` step moves for `held` positions of which the kernel attends over
+    // `stored`: f32 read in place; f16 and int8 read whole, widened into an f32 copy (written),
+    // which the kernel reads (padding skipped).
+    let widened_bytes = |held: usize, stored: usize| match storage {
+        CacheStorage::Float => stored * position_bytes,
+        _ => held * (position_bytes + float_position_bytes) + stored * float_position_bytes,
+    };
     let mut rounds: Vec<WayRounds> = runs
         .ways
         .iter()
@@ -148,17 +158,17 @@ fn cell(
                 bytes: stored * position_bytes + weight_bytes,
             },
             // The flash kernel skips each row's padding (keys outside its unpadded span),
-            // so the padded batch reads what the paged step reads, though it holds
-            // `count · longest` positions.
+            // so in f32 the padded batch reads what the paged step reads, though it holds
+            // `count · longest` positions (which f16 and int8 widen whole).
             Way::Padded => WayRounds {
                 way,
                 round: padded_round(layers, (&lengths, storage), sizes, device),
-                bytes: stored * position_bytes + weight_bytes,
+                bytes: widened_bytes(count * longest, stored) + weight_bytes,
             },
             Way::Single => WayRounds {
                 way,
                 round: one_at_a_time_round(layers, (&lengths, storage), sizes, device),
-                bytes: stored * position_bytes + count * weight_bytes,
+                bytes: widened_bytes(stored, stored) + count * weight_bytes,
             },
         })
         .collect();
@@ -193,7 +203,7 @@ fn cell(
     }
 }
 
-/// One way of serving a cell: a round of it, and the bytes a round reads.
+/// One way of serving a cell: a round of it, and the bytes a round reads and writes.
 struct WayRounds<'a> {
     way: Way,
     round: Box<dyn FnMut() + 'a>,

@@ -1,0 +1,55 @@
+//! The `serve` example end to end on flex: continuous batching and one request at a time give
+//! every request the same tokens (the example exits 1 if not), and each way reports its peak
+//! cache memory, stored within allocated.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+fn example_binary() -> PathBuf {
+    // target/<profile>/deps/<this test> → target/<profile>/examples/serve
+    let test_binary = std::env::current_exe().unwrap();
+    let profile_dir = test_binary.parent().unwrap().parent().unwrap();
+    profile_dir.join("examples").join("serve")
+}
+
+/// The MiB figures of a table row's last cell, `stored MiB / allocated MiB`.
+fn peak_memory(row: &str) -> (f64, f64) {
+    let cell = row.trim_end_matches(" |").rsplit(" | ").next().unwrap();
+    let mib: Vec<f64> = cell
+        .split(" / ")
+        .map(|part| part.trim_end_matches(" MiB").parse().unwrap())
+        .collect();
+    (mib[0], mib[1])
+}
+
+#[test]
+fn continuous_batching_serves_every_request_the_tokens_of_serving_it_alone() {
+    let binary = example_binary();
+    assert!(
+        binary.exists(),
+        "{} is missing: `cargo test` builds the examples first",
+        binary.display()
+    );
+    let run = Command::new(&binary)
+        .args(["--device", "flex"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    assert!(
+        run.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    assert!(
+        stdout.contains("32 of 32 requests got the same tokens both ways"),
+        "{stdout}"
+    );
+    for way in ["| continuous batching", "| one at a time"] {
+        let row = stdout
+            .lines()
+            .find(|line| line.starts_with(way))
+            .unwrap_or_else(|| panic!("no row {way}: {stdout}"));
+        let (stored, allocated) = peak_memory(row);
+        assert!(0.0 < stored && stored <= allocated, "{row}");
+    }
+}
