@@ -288,10 +288,14 @@ fn autodiff_devices_take_the_gathered_path_with_the_same_results() {
     let _seed = common::seed(&device, 32);
     for (label, config) in configs().into_iter().take(5) {
         let module = config.init(&device);
-        let paged = PagedKvCacheConfig::new(64).with_block_size(4);
-        let label = format!("flex autodiff {label}");
-        let mut harness = Harness::new(&module, &device, paged, label, 1e-5);
-        continuous_batching(&mut harness);
+        for storage in storages(&device) {
+            let paged = PagedKvCacheConfig::new(64)
+                .with_block_size(4)
+                .with_storage(storage);
+            let label = format!("flex autodiff {label} {storage:?}");
+            let mut harness = Harness::new(&module, &device, paged, label, 1e-5);
+            continuous_batching(&mut harness);
+        }
     }
 }
 
