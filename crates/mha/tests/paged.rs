@@ -673,11 +673,17 @@ fn storage_is_refused_where_the_device_lacks_it(
 
 #[test]
 fn a_causal_transformer_stack_serves_each_sequence_as_decoding_it_alone() {
+    for name in ["flex", "ndarray"] {
+        let device = common::device_by_name(name).unwrap();
+        stack_serves_each_sequence_as_decoding_it_alone(&device);
+    }
+}
+
+fn stack_serves_each_sequence_as_decoding_it_alone(device: &Device) {
     use mha::transformer::TransformerEncoderInput;
-    let device = Device::flex();
-    let _seed = common::seed(&device, 37);
-    let stack = common::causal_stack(D_MODEL, &device);
-    for storage in [CacheStorage::Float, CacheStorage::Half, CacheStorage::Int8] {
+    let _seed = common::seed(device, 37);
+    let stack = common::causal_stack(D_MODEL, device);
+    for storage in storages(device) {
         let mut paged = stack.new_paged_cache(
             PagedKvCacheConfig::new(64)
                 .with_block_size(4)
@@ -703,7 +709,7 @@ fn a_causal_transformer_stack_serves_each_sequence_as_decoding_it_alone() {
         ];
         for rows in steps {
             let total = rows.iter().map(|(_, n)| n).sum();
-            let x = randn([total, D_MODEL], &device);
+            let x = randn([total, D_MODEL], device);
             let ids: Vec<SequenceId> = rows
                 .iter()
                 .flat_map(|&(id, n)| std::iter::repeat_n(id, n))
@@ -720,7 +726,7 @@ fn a_causal_transformer_stack_serves_each_sequence_as_decoding_it_alone() {
                     .unwrap()
                     .reshape([n, D_MODEL]);
                 assert_close(
-                    &format!("stack {storage:?} {id}"),
+                    &format!("stack {device:?} {storage:?} {id}"),
                     output.clone().narrow(0, start, n),
                     expected,
                     1e-5,
