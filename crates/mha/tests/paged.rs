@@ -193,10 +193,13 @@ fn continuous_batching(harness: &mut Harness) {
     let d = harness.add();
     harness.step(&[(a, 1), (fork, 1), (d, 6), (c, 1)]);
     harness.step(&[(fork, 2), (a, 1), (d, 1)]);
-    // A prompt longer than a decoding step goes to the gathered path beside the others.
+    // A prompt read in place by two tasks (16 rows each at most) beside decoding steps.
     let e = harness.add();
     harness.step(&[(a, 1), (e, 20), (fork, 1)]);
     harness.step(&[(e, 1), (d, 17)]);
+    // Runs of more than 32 rows go to the gathered path beside the others.
+    let f = harness.add();
+    harness.step(&[(f, 40), (a, 1), (e, 33)]);
 }
 
 #[test]

@@ -20,7 +20,7 @@ use super::cache::{PagedKvCache, SequenceStep};
 use super::step::StepHeads;
 use super::store::{BlockLayout, StoredBlocks};
 use crate::alibi::alibi_slopes;
-use crate::cpu::matrix::HeadsView;
+use crate::cpu::matrix::{HeadIndex, HeadsView};
 use crate::cpu::storage::{CpuStorage, native_storage};
 use crate::module::MultiHeadAttention;
 
@@ -300,8 +300,63 @@ enum PoolTensors<B: Backend> {
 struct Views<'a> {
     query: HeadsView<'a>,
     pool: PoolViews<'a>,
-    new_key: HeadsView<'a>,
+    new_key_columns: NewKeyColumns<'a>,
     new_value: HeadsView<'a>,
+}
+
+/// The step's new keys feature-major, `[n_kv_heads, head_dim, rows]` (copied once per step):
+/// the layout of the blocks' keys, which the tile kernel's vector path reads 16 positions at a
+/// time (position-major keys take its dot product per score, several times slower).
+struct NewKeyColumns<'a> {
+    values: &'a [f32],
+    /// The step's rows (the stride between features).
+    rows: usize,
+    head_dim: usize,
+}
+
+impl<'a> NewKeyColumns<'a> {
+    /// `[n_kv_heads, head_dim, rows]` of `new_key` (`[1, n_kv_heads, rows, head_dim]`) into
+    /// `buffer`.
+    fn copy(buffer: &'a mut Vec<f32>, new_key: &HeadsView) -> Self {
+        let [_, n_kv_heads, rows, head_dim] = new_key.shape();
+        buffer.clear();
+        buffer.resize(n_kv_heads * head_dim * rows, 0.0);
+        for kv_head in 0..n_kv_heads {
+            let keys = new_key.head(HeadIndex {
+                batch: 0,
+                head: kv_head,
+            });
+            let columns = &mut buffer[kv_head * head_dim * rows..][..head_dim * rows];
+            for row in 0..rows {
+                for feature in 0..head_dim {
+                    columns[feature * rows + row] =
+                        keys.values[row * keys.row_stride + feature * keys.column_stride];
+                }
+            }
+        }
+        Self {
+            values: buffer,
+            rows,
+            head_dim,
+        }
+    }
+
+    /// The keys of rows `row..row + count` of key/value head `kv_head`: feature `f` of row
+    /// `row + i` at `f · rows + i`.
+    ///
+    /// # Panics
+    ///
+    /// If they are not rows of the step.
+    fn keys(&self, kv_head: usize, row: usize, count: usize) -> &'a [f32] {
+        assert!(
+            row + count <= self.rows,
+            "paged attention: new rows {row}..{} of {}",
+            row + count,
+            self.rows
+        );
+        let head = &self.values[kv_head * self.head_dim * self.rows..][..self.head_dim * self.rows];
+        &head[row..(self.head_dim.max(1) - 1) * self.rows + row + count]
+    }
 }
 
 /// [`PoolTensors`] read in place.
@@ -361,6 +416,11 @@ struct Sizes {
     block_size: usize,
 }
 
+/// Rows of one sequence that one task takes at most: a prompt's rows are spread over rayon's
+/// threads, and each task reads the keys and values its rows see once, tile by tile, for all
+/// of them.
+const TASK_ROWS: usize = 16;
+
 /// [`PagedAttentionBackend::paged_attention`] on a CPU backend's storage.
 ///
 /// # Panics
@@ -401,6 +461,8 @@ fn paged_attention<B: CpuStorage>(
         new_value: readable(&tensors.new_value),
     };
     let view = |tensor| B::heads_view(tensor).expect("a readable layout");
+    let new_key = view(&tensors.new_key);
+    let mut new_key_columns = Vec::new();
     let half_view = |tensor| B::half_heads_view(tensor).expect("a readable layout");
     let int8_view = |tensor| B::int8_heads_view(tensor).expect("a readable layout");
     let views = Views {
@@ -426,7 +488,7 @@ fn paged_attention<B: CpuStorage>(
                 value_scales: view(value_scales),
             },
         },
-        new_key: view(&tensors.new_key),
+        new_key_columns: NewKeyColumns::copy(&mut new_key_columns, &new_key),
         new_value: view(&tensors.new_value),
     };
     let [_, n_heads, rows, head_dim] = views.query.shape();
@@ -438,17 +500,26 @@ fn paged_attention<B: CpuStorage>(
         head_dim,
         block_size,
     };
-    check_inputs(&views, sizes, pool_blocks, key_dim, params);
-    let results: Vec<Vec<f32>> = params
+    check_inputs(&views, new_key.shape(), sizes, pool_blocks, key_dim, params);
+    // A task per run of at most `TASK_ROWS` rows of a sequence.
+    let tasks: Vec<(&PagedSequence, Range<usize>)> = params
         .sequences
-        .par_iter()
-        .map(|sequence| sequence_output(&views, sizes, params, sequence))
+        .iter()
+        .flat_map(|sequence| {
+            let rows = sequence.rows.clone();
+            rows.clone()
+                .step_by(TASK_ROWS)
+                .map(move |start| (sequence, start..(start + TASK_ROWS).min(rows.end)))
+        })
         .collect();
-    // `[1, rows, n_heads, head_dim]`: each sequence's rows, whole, in place.
+    let results: Vec<Vec<f32>> = tasks
+        .par_iter()
+        .map(|(sequence, rows)| sequence_output(&views, sizes, params, sequence, rows.clone()))
+        .collect();
+    // `[1, rows, n_heads, head_dim]`: each task's rows, whole, in place.
     let width = n_heads * head_dim;
     let mut output = vec![0.0f32; rows * width];
-    for (sequence, result) in params.sequences.iter().zip(&results) {
-        let rows = &sequence.rows;
+    for ((_, rows), result) in tasks.iter().zip(&results) {
         output[rows.start * width..rows.end * width].copy_from_slice(result);
     }
     B::sequence_major(output, [1, n_heads, rows, head_dim])
@@ -457,6 +528,7 @@ fn paged_attention<B: CpuStorage>(
 /// Panics unless the call's shapes and tables agree.
 fn check_inputs(
     views: &Views,
+    new_key_shape: [usize; 4],
     sizes: Sizes,
     pool_blocks: usize,
     key_dim: usize,
@@ -470,7 +542,7 @@ fn check_inputs(
         block_size,
     } = sizes;
     let mut expected = vec![
-        (views.new_key.shape(), [1, n_kv_heads, rows, head_dim]),
+        (new_key_shape, [1, n_kv_heads, rows, head_dim]),
         (views.new_value.shape(), [1, n_kv_heads, rows, head_dim]),
         (
             views.pool.value_shape(),
@@ -497,7 +569,7 @@ fn check_inputs(
         "paged attention: the key blocks {:?}, new keys {:?} and values {:?} (or the blocks' \
          scales) do not fit queries {:?}",
         views.pool.key_shape(),
-        views.new_key.shape(),
+        new_key_shape,
         views.new_value.shape(),
         views.query.shape()
     );

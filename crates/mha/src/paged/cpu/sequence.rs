@@ -1,6 +1,8 @@
-//! One sequence's rows of a paged step, each query through the sequence's block table: the
-//! chunks a row reads (its stored blocks, then the step's new rows), each chunk's tile of keys
-//! and values per key/value head where it lies, and the online softmax over them.
+//! Rows of one sequence in a paged step, each query through the sequence's block table: the
+//! chunks the rows read (the stored blocks, then the step's new rows a block at a time), each
+//! chunk's tile of keys and values per key/value head where it lies, and the online softmax of
+//! every row over them. Tiles are visited in order and each is read by every row that sees it
+//! before the next, so that a prompt's rows share each tile from the CPU's nearest cache.
 
 use std::ops::Range;
 
@@ -27,8 +29,8 @@ enum ChunkSource {
     New { row: usize },
 }
 
-/// The chunks a query of `sequence` that sees positions `visible` reads, in order: its stored
-/// positions block by block, then the step's new ones up to its own.
+/// The chunks rows of `sequence` that see positions `visible` read, in order: its stored
+/// positions block by block, then the step's new ones, `block_size` at a time.
 fn chunks(
     sequence: &PagedSequence,
     block_size: usize,
@@ -52,13 +54,31 @@ fn chunks(
         }
     });
     let new = visible.start.max(sequence.past)..visible.end;
-    let new_chunk = (!new.is_empty()).then(|| Chunk {
-        source: ChunkSource::New {
-            row: sequence.rows.start + new.start - sequence.past,
-        },
-        positions: new,
-    });
-    stored_chunks.chain(new_chunk)
+    let new_chunks = new
+        .clone()
+        .step_by(block_size.max(1))
+        .map(move |first| Chunk {
+            positions: first..(first + block_size).min(new.end),
+            source: ChunkSource::New {
+                row: sequence.rows.start + first - sequence.past,
+            },
+        });
+    stored_chunks.chain(new_chunks)
+}
+
+impl Chunk {
+    /// The part of the chunk at `positions` (inside it).
+    fn narrowed(&self, positions: Range<usize>) -> Chunk {
+        let skipped = positions.start - self.positions.start;
+        let source = match self.source {
+            ChunkSource::Stored { index, offset } => ChunkSource::Stored {
+                index,
+                offset: offset + skipped,
+            },
+            ChunkSource::New { row } => ChunkSource::New { row: row + skipped },
+        };
+        Chunk { positions, source }
+    }
 }
 
 /// One chunk's keys and values of one key/value head, where they lie: f32, f16, or the i8 of
@@ -157,14 +177,11 @@ fn tile<'a>(
                 batch: 0,
                 head: kv_head,
             };
-            let (keys, values) = (
-                views.new_key.head(head).rows(row, count),
-                views.new_value.head(head).rows(row, count),
-            );
+            let values = views.new_value.head(head).rows(row, count);
             Tile::Float(simd::KeyTile {
-                keys: keys.values,
-                key_stride: keys.row_stride,
-                layout: simd::KeyLayout::Rows,
+                keys: views.new_key_columns.keys(kv_head, row, count),
+                key_stride: views.new_key_columns.rows,
+                layout: simd::KeyLayout::Columns,
                 values: values.values,
                 value_stride: values.row_stride,
                 count,
@@ -187,15 +204,18 @@ fn prefetch_distance(tile_bytes: usize) -> usize {
     PREFETCH_BYTES.div_ceil(tile_bytes.max(1)).max(1)
 }
 
-/// The outputs of `sequence`'s rows, `[rows, n_heads, head_dim]`: row by row, chunk by chunk
-/// of its keys (a block at most), every key/value head in turn within a chunk, so that the task
-/// reads each block's heads (adjacent in the pool) one after the other; each (chunk, key/value
-/// head) is one [`simd::attend_tile`] for the query heads that share it.
+/// The outputs of rows `rows` of the step (all of `sequence`'s, consecutive), `[rows, n_heads,
+/// head_dim]`: chunk by chunk of the keys the rows see (a block at most), every key/value head
+/// in turn within a chunk, so that a task reads each block's heads (adjacent in the pool) one
+/// after the other, and each (chunk, key/value head) tile is read by every row that sees it
+/// before the next (one [`simd::attend_tile`] per row, for the query heads that share the
+/// key/value head).
 pub(super) fn sequence_output(
     views: &Views,
     sizes: Sizes,
     params: &PagedParams,
     sequence: &PagedSequence,
+    rows: Range<usize>,
 ) -> Vec<f32> {
     let Sizes {
         n_heads,
@@ -204,73 +224,167 @@ pub(super) fn sequence_output(
         block_size,
         ..
     } = sizes;
+    assert!(
+        !rows.is_empty() && sequence.rows.start <= rows.start && rows.end <= sequence.rows.end,
+        "paged attention: rows {rows:?} are not rows of the sequence's {:?}",
+        sequence.rows
+    );
     let group = n_heads / n_kv_heads;
     let distance = prefetch_distance(block_size * 2 * head_dim * views.pool.element_bytes());
-    let width = n_heads * head_dim;
-    let mut output = vec![0.0f32; sequence.rows.len() * width];
-    let mut queries = vec![0.0f32; width];
-    let mut maxima = vec![f32::NEG_INFINITY; n_heads];
-    let mut sums = vec![0.0f32; n_heads];
-    let mut row_chunks = Vec::new();
-    let mut row_tiles = Vec::new();
-    for (local, row) in sequence.rows.clone().enumerate() {
-        let position = sequence.past + local;
-        let first = params
-            .window
-            .map_or(0, |window| (position + 1).saturating_sub(window));
-        // The queries scaled once, so that the dot products are the scores.
-        for head in 0..n_heads {
-            let query = views.query.row(HeadIndex { batch: 0, head }, row);
-            simd::scaled_copy(
-                &mut queries[head * head_dim..][..head_dim],
-                query,
-                params.scale,
-            );
-        }
-        maxima.fill(f32::NEG_INFINITY);
-        sums.fill(0.0);
-        let outputs = &mut output[local * width..][..width];
-        // Every (chunk, key/value head) tile of the row once, chunk by chunk: the prefetch
-        // ahead and the computation read the same list.
-        row_chunks.clear();
-        row_tiles.clear();
-        for chunk in chunks(sequence, block_size, first..position + 1) {
-            row_tiles.extend((0..n_kv_heads).map(|kv_head| tile(views, sequence, kv_head, &chunk)));
-            row_chunks.push(chunk);
-        }
-        for (index, chunk) in row_chunks.iter().enumerate() {
-            for kv_head in 0..n_kv_heads {
-                let tile = index * n_kv_heads + kv_head;
-                let ahead = row_tiles.get(tile + distance);
-                if let Some(ahead) = ahead {
-                    prefetch_scales(ahead);
+    let mut rows = RowStates::new(views, params, sequence, rows, (n_heads, head_dim));
+    // Every row sees a span of positions that starts no earlier and ends later than the row
+    // before's.
+    let span = rows.visible[0].start..rows.visible[rows.visible.len() - 1].end;
+    let chunk_list: Vec<Chunk> = chunks(sequence, block_size, span).collect();
+    // Every (chunk, key/value head) tile once, chunk by chunk: the prefetch ahead and the
+    // computation read the same list.
+    let mut tiles = Vec::with_capacity(chunk_list.len() * n_kv_heads);
+    for chunk in &chunk_list {
+        tiles.extend((0..n_kv_heads).map(|kv_head| tile(views, sequence, kv_head, chunk)));
+    }
+    for (index, chunk) in chunk_list.iter().enumerate() {
+        for kv_head in 0..n_kv_heads {
+            let tile_index = index * n_kv_heads + kv_head;
+            let ahead = tiles.get(tile_index + distance);
+            if let Some(ahead) = ahead {
+                prefetch_scales(ahead);
+            }
+            // The first row to read the tile asks for the one ahead.
+            let mut ahead = ahead.and_then(Tile::ahead);
+            let heads = kv_head * group..(kv_head + 1) * group;
+            for row in 0..rows.visible.len() {
+                let visible = &rows.visible[row];
+                let seen =
+                    visible.start.max(chunk.positions.start)..visible.end.min(chunk.positions.end);
+                if seen.is_empty() {
+                    continue;
                 }
-                let heads = kv_head * group..(kv_head + 1) * group;
-                let features = heads.start * head_dim..heads.end * head_dim;
-                let mut online = simd::OnlineRow {
-                    queries: &queries[features.clone()],
-                    outputs: &mut outputs[features],
-                    maxima: &mut maxima[heads.clone()],
-                    sums: &mut sums[heads.clone()],
-                    ahead: ahead.and_then(Tile::ahead),
+                let narrowed;
+                let tile = if seen == chunk.positions {
+                    &tiles[tile_index]
+                } else {
+                    narrowed = tile(views, sequence, kv_head, &chunk.narrowed(seen.clone()));
+                    &narrowed
                 };
                 let rule = simd::LogitRule {
                     softcap: params.softcap,
                     alibi: params.alibi.as_ref().map(|slopes| &slopes[heads.clone()]),
-                    first_distance: position - chunk.positions.start,
+                    first_distance: rows.positions[row] - seen.start,
                 };
-                match row_tiles[tile] {
-                    Tile::Float(tile) => simd::attend_tile(&mut online, tile, rule),
-                    Tile::Half(tile) => simd::attend_half_tile(&mut online, tile, rule),
-                    Tile::Int8(tile, scales) => {
-                        simd::attend_int8_tile(&mut online, tile, scales, rule)
-                    }
-                }
+                rows.attend(row, tile, heads.clone(), rule, ahead.take());
             }
         }
-        normalize(outputs, &maxima, &sums, params, head_dim);
     }
-    output
+    rows.outputs(params)
+}
+
+/// The rows of a task and their online softmaxes under way, row-major.
+struct RowStates {
+    /// Each row's position in its sequence.
+    positions: Vec<usize>,
+    /// The positions each row sees: a window's, up to itself.
+    visible: Vec<Range<usize>>,
+    /// `[rows, n_heads · head_dim]`, multiplied by the softmax scale once, so that the dot
+    /// products are the scores.
+    queries: Vec<f32>,
+    /// `[rows, n_heads]`: each head's largest logit so far.
+    maxima: Vec<f32>,
+    /// `[rows, n_heads]`: each head's sum of exponentials so far.
+    sums: Vec<f32>,
+    /// `[rows, n_heads · head_dim]`: each head's weighted sum of values so far.
+    outputs: Vec<f32>,
+    n_heads: usize,
+    head_dim: usize,
+}
+
+impl RowStates {
+    fn new(
+        views: &Views,
+        params: &PagedParams,
+        sequence: &PagedSequence,
+        rows: Range<usize>,
+        (n_heads, head_dim): (usize, usize),
+    ) -> Self {
+        let width = n_heads * head_dim;
+        let positions: Vec<usize> = rows
+            .clone()
+            .map(|row| sequence.past + row - sequence.rows.start)
+            .collect();
+        let visible = positions
+            .iter()
+            .map(|&position| {
+                let first = params
+                    .window
+                    .map_or(0, |window| (position + 1).saturating_sub(window));
+                first..position + 1
+            })
+            .collect();
+        let mut queries = vec![0.0f32; rows.len() * width];
+        for (local, row) in rows.clone().enumerate() {
+            for head in 0..n_heads {
+                let query = views.query.row(HeadIndex { batch: 0, head }, row);
+                simd::scaled_copy(
+                    &mut queries[local * width + head * head_dim..][..head_dim],
+                    query,
+                    params.scale,
+                );
+            }
+        }
+        Self {
+            positions,
+            visible,
+            queries,
+            maxima: vec![f32::NEG_INFINITY; rows.len() * n_heads],
+            sums: vec![0.0f32; rows.len() * n_heads],
+            outputs: vec![0.0f32; rows.len() * width],
+            n_heads,
+            head_dim,
+        }
+    }
+
+    /// Adds `tile`'s positions to row `row`'s softmax of query heads `heads` (those sharing the
+    /// tile's key/value head), asking for `ahead` as it goes.
+    fn attend(
+        &mut self,
+        row: usize,
+        tile: &Tile,
+        heads: Range<usize>,
+        rule: simd::LogitRule,
+        ahead: Option<simd::Ahead>,
+    ) {
+        let (width, head_dim) = (self.n_heads * self.head_dim, self.head_dim);
+        let features = row * width + heads.start * head_dim..row * width + heads.end * head_dim;
+        let heads = row * self.n_heads + heads.start..row * self.n_heads + heads.end;
+        let mut online = simd::OnlineRow {
+            queries: &self.queries[features.clone()],
+            outputs: &mut self.outputs[features],
+            maxima: &mut self.maxima[heads.clone()],
+            sums: &mut self.sums[heads],
+            ahead,
+        };
+        match *tile {
+            Tile::Float(tile) => simd::attend_tile(&mut online, tile, rule),
+            Tile::Half(tile) => simd::attend_half_tile(&mut online, tile, rule),
+            Tile::Int8(tile, scales) => simd::attend_int8_tile(&mut online, tile, scales, rule),
+        }
+    }
+
+    /// The rows' outputs, `[rows, n_heads, head_dim]`: each head's weighted sum divided by its
+    /// softmax sum.
+    fn outputs(mut self, params: &PagedParams) -> Vec<f32> {
+        let (n_heads, head_dim) = (self.n_heads, self.head_dim);
+        let width = n_heads * head_dim;
+        for row in 0..self.positions.len() {
+            normalize(
+                &mut self.outputs[row * width..][..width],
+                &self.maxima[row * n_heads..][..n_heads],
+                &self.sums[row * n_heads..][..n_heads],
+                params,
+                head_dim,
+            );
+        }
+        self.outputs
+    }
 }
 
 /// Asks the CPU for an int8 tile's scales (a line or two; its keys and values are asked for
