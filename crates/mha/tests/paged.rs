@@ -8,6 +8,9 @@ use std::collections::BTreeMap;
 
 use burn::tensor::{DType, Device, Tensor};
 use common::{assert_close, panic_message, randn, test_devices, tolerance};
+use mha::transformer::{
+    PagedTransformerCache, TransformerEncoder, TransformerEncoderCache, TransformerEncoderInput,
+};
 use mha::{
     CacheStorage, KvCache, MhaInput, MultiHeadAttention, MultiHeadAttentionConfig, PagedCacheError,
     PagedKvCache, PagedKvCacheConfig, RopeConfig, RopeLayout, SequenceId,
@@ -147,10 +150,7 @@ impl<'a> Harness<'a> {
     fn step(&mut self, rows: &[(SequenceId, usize)]) {
         let total = rows.iter().map(|(_, n)| n).sum();
         let x = randn([total, self.module.d_model()], self.device);
-        let ids: Vec<SequenceId> = rows
-            .iter()
-            .flat_map(|&(id, n)| std::iter::repeat_n(id, n))
-            .collect();
+        let ids = row_ids(rows);
         let output = self
             .module
             .forward_paged(x.clone(), &mut self.paged, &ids)
@@ -177,6 +177,13 @@ impl<'a> Harness<'a> {
             start += n;
         }
     }
+}
+
+/// A step's sequence ids, one per row: `n` rows of each `(id, n)`, in order.
+fn row_ids(rows: &[(SequenceId, usize)]) -> Vec<SequenceId> {
+    rows.iter()
+        .flat_map(|&(id, n)| std::iter::repeat_n(id, n))
+        .collect()
 }
 
 /// Sequences join, leave and fork around each other, prompts are prefilled beside decoding
@@ -459,9 +466,7 @@ fn a_refused_step_leaves_bystanders_forks_and_shared_blocks_as_they_were() {
             );
             // `a` copies the shared block (1), `fork` then writes into it alone and takes a
             // block (1), `b` needs two of the one left.
-            let mut ids = vec![a];
-            ids.extend([fork; 3]);
-            ids.extend([b; 6]);
+            let ids = row_ids(&[(a, 1), (fork, 3), (b, 6)]);
             let error = module
                 .forward_paged(randn([10, D_MODEL], &device), &mut harness.paged, &ids)
                 .unwrap_err();
@@ -486,81 +491,6 @@ fn a_refused_step_leaves_bystanders_forks_and_shared_blocks_as_they_were() {
             harness.step(&[(bystander, 1), (a, 1), (fork, 2), (b, 1)]);
             harness.step(&[(fork, 1), (a, 1), (bystander, 2)]);
         }
-    }
-}
-
-#[test]
-fn a_stack_refuses_a_step_its_pools_cannot_hold_and_every_layer_keeps_its_state() {
-    use mha::transformer::{
-        PagedTransformerCache, TransformerEncoderCache, TransformerEncoderInput,
-    };
-    let device = Device::flex();
-    let _seed = common::seed(&device, 40);
-    let stack = common::causal_stack(D_MODEL, &device);
-    for storage in [CacheStorage::Float, CacheStorage::Int8] {
-        let mut paged = stack.new_paged_cache(
-            PagedKvCacheConfig::new(4)
-                .with_block_size(4)
-                .with_storage(storage),
-        );
-        let mut alone: BTreeMap<SequenceId, TransformerEncoderCache> = BTreeMap::new();
-        let step = |paged: &mut PagedTransformerCache,
-                    alone: &mut BTreeMap<SequenceId, TransformerEncoderCache>,
-                    rows: &[(SequenceId, usize)]| {
-            let total = rows.iter().map(|(_, n)| n).sum();
-            let x = randn([total, D_MODEL], &device);
-            let ids: Vec<SequenceId> = rows
-                .iter()
-                .flat_map(|&(id, n)| std::iter::repeat_n(id, n))
-                .collect();
-            let output = stack.forward_paged(x.clone(), paged, &ids).unwrap();
-            let mut start = 0;
-            for &(id, n) in rows {
-                let tokens = x.clone().narrow(0, start, n).reshape([1, n, D_MODEL]);
-                let expected = stack
-                    .forward_cached(
-                        TransformerEncoderInput::new(tokens),
-                        alone.get_mut(&id).unwrap(),
-                    )
-                    .unwrap()
-                    .reshape([n, D_MODEL]);
-                let label = format!("stack {storage:?} {id} rows {start}..{}", start + n);
-                assert_close(&label, output.clone().narrow(0, start, n), expected, 1e-5);
-                start += n;
-            }
-        };
-        let mut add = |paged: &mut PagedTransformerCache| {
-            let id = paged.add_sequence();
-            let mut cache = stack.new_cache();
-            cache
-                .layers
-                .iter_mut()
-                .for_each(|layer| *layer = KvCache::new().with_storage(storage));
-            alone.insert(id, cache);
-            id
-        };
-        let (a, b) = (add(&mut paged), add(&mut paged));
-        step(&mut paged, &mut alone, &[(a, 6), (b, 2)]);
-        let mut ids = vec![a];
-        ids.extend([b; 7]);
-        let error = stack
-            .forward_paged(randn([8, D_MODEL], &device), &mut paged, &ids)
-            .unwrap_err();
-        assert_eq!(
-            error,
-            PagedCacheError::PoolFull {
-                sequence: b,
-                needed: 2,
-                free: 1
-            },
-            "{storage:?}"
-        );
-        assert_eq!((paged.len(a), paged.len(b)), (Some(6), Some(2)));
-        assert_eq!(paged.free_blocks(), 1, "{storage:?}");
-        // Both sequences go on, through every layer, as if the step had never been tried.
-        step(&mut paged, &mut alone, &[(a, 1), (b, 3)]);
-        paged.remove_sequence(a).unwrap();
-        step(&mut paged, &mut alone, &[(b, 8)]);
     }
 }
 
@@ -683,63 +613,121 @@ fn a_causal_transformer_stack_serves_each_sequence_as_decoding_it_alone() {
 }
 
 fn stack_serves_each_sequence_as_decoding_it_alone(device: &Device) {
-    use mha::transformer::TransformerEncoderInput;
     let _seed = common::seed(device, 37);
     let stack = common::causal_stack(D_MODEL, device);
     for storage in storages(device) {
-        let mut paged = stack.new_paged_cache(
-            PagedKvCacheConfig::new(64)
-                .with_block_size(4)
-                .with_storage(storage),
+        let config = PagedKvCacheConfig::new(64)
+            .with_block_size(4)
+            .with_storage(storage);
+        let mut harness = StackHarness::new(&stack, device, config);
+        let (a, b) = (harness.add(), harness.add());
+        let c = harness.add();
+        harness.step(&[(a, 6), (b, 1)]);
+        harness.step(&[(a, 1), (b, 1), (c, 5)]);
+        harness.step(&[(c, 1), (a, 2), (b, 1)]);
+        assert_eq!(harness.paged.len(a), Some(9));
+        harness.paged.remove_sequence(b).unwrap();
+        assert!(harness.paged.bytes_in_use() > 0);
+    }
+}
+
+#[test]
+fn a_stack_refuses_a_step_its_pools_cannot_hold_and_every_layer_keeps_its_state() {
+    let device = Device::flex();
+    let _seed = common::seed(&device, 40);
+    let stack = common::causal_stack(D_MODEL, &device);
+    for storage in [CacheStorage::Float, CacheStorage::Int8] {
+        let config = PagedKvCacheConfig::new(4)
+            .with_block_size(4)
+            .with_storage(storage);
+        let mut harness = StackHarness::new(&stack, &device, config);
+        let (a, b) = (harness.add(), harness.add());
+        harness.step(&[(a, 6), (b, 2)]);
+        let ids = row_ids(&[(a, 1), (b, 7)]);
+        let error = stack
+            .forward_paged(randn([8, D_MODEL], &device), &mut harness.paged, &ids)
+            .unwrap_err();
+        assert_eq!(
+            error,
+            PagedCacheError::PoolFull {
+                sequence: b,
+                needed: 2,
+                free: 1
+            },
+            "{storage:?}"
         );
-        let mut alone = BTreeMap::new();
-        let mut add = |paged: &mut mha::transformer::PagedTransformerCache| {
-            let id = paged.add_sequence();
-            let mut cache = stack.new_cache();
-            cache
-                .layers
-                .iter_mut()
-                .for_each(|layer| *layer = KvCache::new().with_storage(storage));
-            alone.insert(id, cache);
-            id
-        };
-        let (a, b) = (add(&mut paged), add(&mut paged));
-        let c = add(&mut paged);
-        let steps: Vec<Vec<(SequenceId, usize)>> = vec![
-            vec![(a, 6), (b, 1)],
-            vec![(a, 1), (b, 1), (c, 5)],
-            vec![(c, 1), (a, 2), (b, 1)],
-        ];
-        for rows in steps {
-            let total = rows.iter().map(|(_, n)| n).sum();
-            let x = randn([total, D_MODEL], device);
-            let ids: Vec<SequenceId> = rows
-                .iter()
-                .flat_map(|&(id, n)| std::iter::repeat_n(id, n))
-                .collect();
-            let output = stack.forward_paged(x.clone(), &mut paged, &ids).unwrap();
-            let mut start = 0;
-            for (id, n) in rows {
-                let tokens = x.clone().narrow(0, start, n).reshape([1, n, D_MODEL]);
-                let expected = stack
-                    .forward_cached(
-                        TransformerEncoderInput::new(tokens),
-                        alone.get_mut(&id).unwrap(),
-                    )
-                    .unwrap()
-                    .reshape([n, D_MODEL]);
-                assert_close(
-                    &format!("stack {device:?} {storage:?} {id}"),
-                    output.clone().narrow(0, start, n),
-                    expected,
-                    1e-5,
-                );
-                start += n;
-            }
+        let paged = &harness.paged;
+        assert_eq!((paged.len(a), paged.len(b)), (Some(6), Some(2)));
+        assert_eq!(paged.free_blocks(), 1, "{storage:?}");
+        // Both sequences go on, through every layer, as if the step had never been tried.
+        harness.step(&[(a, 1), (b, 3)]);
+        harness.paged.remove_sequence(a).unwrap();
+        harness.step(&[(b, 8)]);
+    }
+}
+
+/// A causal stack's paged cache and, per sequence, the stack's own cache that decodes it
+/// alone: each step is checked against the reference, row by row.
+struct StackHarness<'a> {
+    stack: &'a TransformerEncoder,
+    device: &'a Device,
+    paged: PagedTransformerCache,
+    alone: BTreeMap<SequenceId, TransformerEncoderCache>,
+    storage: CacheStorage,
+}
+
+impl<'a> StackHarness<'a> {
+    fn new(stack: &'a TransformerEncoder, device: &'a Device, config: PagedKvCacheConfig) -> Self {
+        Self {
+            stack,
+            device,
+            paged: stack.new_paged_cache(config),
+            alone: BTreeMap::new(),
+            storage: config.storage,
         }
-        assert_eq!(paged.len(a), Some(9));
-        paged.remove_sequence(b).unwrap();
-        assert!(paged.bytes_in_use() > 0);
+    }
+
+    fn add(&mut self) -> SequenceId {
+        let id = self.paged.add_sequence();
+        let mut cache = self.stack.new_cache();
+        cache
+            .layers
+            .iter_mut()
+            .for_each(|layer| *layer = KvCache::new().with_storage(self.storage));
+        self.alone.insert(id, cache);
+        id
+    }
+
+    /// One paged step of `rows` new tokens for each sequence through the stack, checked
+    /// against each sequence decoded alone.
+    fn step(&mut self, rows: &[(SequenceId, usize)]) {
+        let total = rows.iter().map(|(_, n)| n).sum();
+        let x = randn([total, D_MODEL], self.device);
+        let ids = row_ids(rows);
+        let output = self
+            .stack
+            .forward_paged(x.clone(), &mut self.paged, &ids)
+            .unwrap();
+        let mut start = 0;
+        for &(id, n) in rows {
+            let tokens = x.clone().narrow(0, start, n).reshape([1, n, D_MODEL]);
+            let expected = self
+                .stack
+                .forward_cached(
+                    TransformerEncoderInput::new(tokens),
+                    self.alone.get_mut(&id).unwrap(),
+                )
+                .unwrap()
+                .reshape([n, D_MODEL]);
+            let label = format!(
+                "stack {:?} {:?} {id} rows {start}..{}",
+                self.device,
+                self.storage,
+                start + n
+            );
+            assert_close(&label, output.clone().narrow(0, start, n), expected, 1e-5);
+            start += n;
+        }
     }
 }
 
