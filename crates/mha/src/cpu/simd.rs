@@ -465,8 +465,8 @@ pub(crate) fn prefetch_line(address: *const u8) {
 mod online;
 mod widen;
 pub(crate) use online::{
-    Ahead, KeyLayout, KeyTile, LogitRule, OnlineRow, TileScales, attend_half_tile,
-    attend_int8_tile, attend_tile,
+    Ahead, KeyTile, LogitRule, OnlineRow, TileScales, attend_half_tile, attend_int8_tile,
+    attend_tile,
 };
 pub(crate) use widen::{dequantize_row, widen_half};
 

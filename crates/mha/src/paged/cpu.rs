@@ -5,8 +5,10 @@
 //! so that a step reads a quarter of the bytes; an f16 pool likewise, converted as it is read
 //! (half the bytes).
 //!
-//! A task is one sequence's rows: each key/value head's query heads share every key and value
-//! row they read (GQA without copies), and tasks write disjoint outputs.
+//! A task is a run of at most 16 consecutive rows of one sequence (a prompt's rows spread over
+//! rayon's threads): each tile of keys and values is read by all its rows, each key/value
+//! head's query heads share every key and value row they read (GQA without copies), and tasks
+//! write disjoint outputs.
 
 use std::ops::Range;
 use std::sync::Arc;

@@ -20,15 +20,6 @@ use super::{LANES, NATIVE_FMA, VALUE_COLUMNS, exp, flushed_exp, lane_sum, mul_ad
 /// [`VALUE_COLUMNS`] weighted sums (16 of AVX-512's 32 registers).
 const HEADS: usize = 4;
 
-/// How a tile's keys lie in memory.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum KeyLayout {
-    /// Feature-major: feature `f` of key `i` at `keys[f · stride + i]` (a paged block).
-    Columns,
-    /// Position-major: key `i` is `keys[i · stride..][..dim]` (a step's new rows).
-    Rows,
-}
-
 /// An element a tile stores its keys and values in: f32, f16, or i8 with a scale per position
 /// ([`TileScales`]).
 pub(crate) trait TileElement: Copy {
@@ -72,9 +63,11 @@ impl TileElement for i8 {
 /// they lie.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct KeyTile<'a, E = f32> {
+    /// Feature-major, as a paged block stores them (and a step's new keys are copied): feature
+    /// `f` of position `i` at `keys[f · key_stride + i]`, so that 16 positions of a feature are
+    /// one vector.
     pub keys: &'a [E],
     pub key_stride: usize,
-    pub layout: KeyLayout,
     /// Position `i`'s value is `values[i · value_stride..][..value_dim]`.
     pub values: &'a [E],
     pub value_stride: usize,
@@ -141,10 +134,9 @@ pub(crate) struct Ahead<'a> {
 }
 
 impl<'a> Ahead<'a> {
-    /// `tile`'s memory, if its keys are feature-major (a stored block; a step's new rows,
-    /// position-major, were just written and are in cache).
-    pub(crate) fn of<E: TileElement>(tile: &KeyTile<'a, E>) -> Option<Self> {
-        (tile.layout == KeyLayout::Columns).then(|| Ahead {
+    /// `tile`'s memory.
+    pub(crate) fn of<E: TileElement>(tile: &KeyTile<'a, E>) -> Self {
+        Ahead {
             keys: tile.keys.as_ptr().cast(),
             key_bytes: std::mem::size_of_val(tile.keys),
             key_stride: tile.key_stride,
@@ -154,7 +146,7 @@ impl<'a> Ahead<'a> {
             element: std::mem::size_of::<E>(),
             count: tile.count,
             tile: PhantomData,
-        })
+        }
     }
 
     /// The byte offset of feature `feature`'s key at position `position`, if the tile has it
@@ -291,16 +283,13 @@ fn checked_sizes<E>(row: &OnlineRow, tile: &KeyTile<E>, rule: &LogitRule) -> (us
         row.sums.len()
     );
     let (dim, value_dim) = (row.queries.len() / heads, row.outputs.len() / heads);
-    let key_end = match tile.layout {
-        KeyLayout::Columns => (dim.max(1) - 1) * tile.key_stride + tile.count,
-        KeyLayout::Rows => (tile.count.max(1) - 1) * tile.key_stride + dim,
-    };
+    let key_end = (dim.max(1) - 1) * tile.key_stride + tile.count;
     let value_end = (tile.count.max(1) - 1) * tile.value_stride + value_dim;
     assert!(
         tile.count == 0
             || (key_end <= tile.keys.len()
                 && value_end <= tile.values.len()
-                && (tile.layout == KeyLayout::Rows || tile.count <= tile.key_stride)),
+                && tile.count <= tile.key_stride),
         "attend_tile: {} positions need {key_end} keys and {value_end} values, the tile has {} \
          and {}",
         tile.count,
@@ -359,7 +348,7 @@ fn attend_parts<const FMA: bool, E: TileElement>(
 ) {
     for part in parts(tile.count, row.maxima.len(), dim, value_dim) {
         #[cfg(target_arch = "x86_64")]
-        if avx512::takes(tile, rule, part) {
+        if avx512::takes::<E>(rule, part) {
             // SAFETY: the CPU has AVX-512F (`takes` checked it); the entry points checked that
             // the tile holds its keys and values, `scales` (if any) a scale of each kind per
             // position, and the row whole heads.
@@ -419,7 +408,7 @@ fn attend_part<const FMA: bool, E: TileElement>(
 ) {
     // The next tile asked for once per part of its positions (by the part of the first heads).
     let ahead = row.ahead.filter(|_| part.head == 0);
-    let mut logits = if part.lanes == LANES && tile.layout == KeyLayout::Columns {
+    let mut logits = if part.lanes == LANES {
         column_scores::<FMA, E>(row.queries, tile, part, ahead.as_ref())
     } else {
         any_scores::<FMA, E>(row.queries, tile, part)
@@ -535,16 +524,10 @@ fn any_scores<const FMA: bool, E: TileElement>(
     for lane in 0..part.lanes {
         let position = part.first + lane;
         for (h, query) in query.iter().enumerate() {
-            sums[h][lane] = match tile.layout {
-                KeyLayout::Columns => query.iter().enumerate().fold(0.0, |sum, (feature, &q)| {
-                    let key = tile.keys[feature * tile.key_stride + position].float();
-                    mul_add::<FMA>(q, key, sum)
-                }),
-                KeyLayout::Rows => query
-                    .iter()
-                    .zip(&tile.keys[position * tile.key_stride..][..part.dim])
-                    .fold(0.0, |sum, (&q, &k)| mul_add::<FMA>(q, k.float(), sum)),
-            };
+            sums[h][lane] = query.iter().enumerate().fold(0.0, |sum, (feature, &q)| {
+                let key = tile.keys[feature * tile.key_stride + position].float();
+                mul_add::<FMA>(q, key, sum)
+            });
         }
     }
     sums

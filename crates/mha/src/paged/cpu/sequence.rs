@@ -92,7 +92,7 @@ enum Tile<'a> {
 
 impl<'a> Tile<'a> {
     /// The tile's keys and values, for the tile computed before it to ask the CPU for.
-    fn ahead(&self) -> Option<simd::Ahead<'a>> {
+    fn ahead(&self) -> simd::Ahead<'a> {
         match self {
             Tile::Float(tile) => simd::Ahead::of(tile),
             Tile::Half(tile) => simd::Ahead::of(tile),
@@ -123,7 +123,6 @@ impl BlockPart {
         simd::KeyTile {
             keys: keys.values,
             key_stride: keys.row_stride,
-            layout: simd::KeyLayout::Columns,
             values: values.values,
             value_stride: values.row_stride,
             count: self.count,
@@ -181,7 +180,6 @@ fn tile<'a>(
             Tile::Float(simd::KeyTile {
                 keys: views.new_key_columns.keys(kv_head, row, count),
                 key_stride: views.new_key_columns.rows,
-                layout: simd::KeyLayout::Columns,
                 values: values.values,
                 value_stride: values.row_stride,
                 count,
@@ -190,7 +188,7 @@ fn tile<'a>(
     }
 }
 
-/// Bytes ahead of the tile it computes (in a row's order: chunk by chunk, key/value head by
+/// Bytes ahead of the tile it computes (in a task's order: chunk by chunk, key/value head by
 /// key/value head within a chunk) from which a task asks the CPU for a tile's keys and values,
 /// line by line as it computes (see [`simd::Ahead`]): a block's keys and values are a few KiB
 /// each, and the hardware prefetchers do not follow the block table from one to the next (at
@@ -204,7 +202,7 @@ fn prefetch_distance(tile_bytes: usize) -> usize {
     PREFETCH_BYTES.div_ceil(tile_bytes.max(1)).max(1)
 }
 
-/// The outputs of rows `rows` of the step (all of `sequence`'s, consecutive), `[rows, n_heads,
+/// The outputs of rows `rows` of the step (a run of `sequence`'s rows), `[rows, n_heads,
 /// head_dim]`: chunk by chunk of the keys the rows see (a block at most), every key/value head
 /// in turn within a chunk, so that a task reads each block's heads (adjacent in the pool) one
 /// after the other, and each (chunk, key/value head) tile is read by every row that sees it
@@ -249,8 +247,8 @@ pub(super) fn sequence_output(
             if let Some(ahead) = ahead {
                 prefetch_scales(ahead);
             }
-            // The first row to read the tile asks for the one ahead.
-            let mut ahead = ahead.and_then(Tile::ahead);
+            let mut ahead = ahead.map(Tile::ahead);
+            let asker = rows.asker(&chunk.positions);
             let heads = kv_head * group..(kv_head + 1) * group;
             for row in 0..rows.visible.len() {
                 let visible = &rows.visible[row];
@@ -259,6 +257,7 @@ pub(super) fn sequence_output(
                 if seen.is_empty() {
                     continue;
                 }
+                let ahead = if row == asker { ahead.take() } else { None };
                 let narrowed;
                 let tile = if seen == chunk.positions {
                     &tiles[tile_index]
@@ -271,7 +270,7 @@ pub(super) fn sequence_output(
                     alibi: params.alibi.as_ref().map(|slopes| &slopes[heads.clone()]),
                     first_distance: rows.positions[row] - seen.start,
                 };
-                rows.attend(row, tile, heads.clone(), rule, ahead.take());
+                rows.attend(row, tile, heads.clone(), rule, ahead);
             }
         }
     }
@@ -340,6 +339,23 @@ impl RowStates {
             n_heads,
             head_dim,
         }
+    }
+
+    /// The row that asks for the tile ahead while it reads the chunk at `positions`: the first
+    /// that sees all of it, else the last that sees part of it (a prompt's rows see their own
+    /// chunk up to themselves), since a row asks for as many positions of the tile ahead as
+    /// it reads of its own.
+    fn asker(&self, positions: &Range<usize>) -> usize {
+        let whole = |visible: &Range<usize>| {
+            visible.start <= positions.start && positions.end <= visible.end
+        };
+        let part =
+            |visible: &Range<usize>| visible.start < positions.end && positions.start < visible.end;
+        self.visible
+            .iter()
+            .position(whole)
+            .or_else(|| self.visible.iter().rposition(part))
+            .unwrap_or(0)
     }
 
     /// Adds `tile`'s positions to row `row`'s softmax of query heads `heads` (those sharing the

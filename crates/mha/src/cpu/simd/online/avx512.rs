@@ -9,16 +9,12 @@
 
 use std::arch::x86_64::*;
 
-use super::{
-    HEADS, KeyLayout, KeyTile, LANES, LogitRule, OnlineRow, TileElement, TilePart, TileScales,
-};
+use super::{HEADS, KeyTile, LANES, LogitRule, OnlineRow, TileElement, TilePart, TileScales};
 
-/// Whether [`attend_part`] takes `part`: the CPU has AVX-512F, the keys are feature-major,
-/// the logits are the scores, the values are whole vectors, and an int8 or f16 part is a
-/// whole one (its loads are not masked).
-pub(super) fn takes<E: TileElement>(tile: &KeyTile<E>, rule: &LogitRule, part: TilePart) -> bool {
-    tile.layout == KeyLayout::Columns
-        && rule.softcap.is_none()
+/// Whether [`attend_part`] takes `part`: the CPU has AVX-512F, the logits are the scores, the
+/// values are whole vectors, and an int8 or f16 part is a whole one (its loads are not masked).
+pub(super) fn takes<E: TileElement>(rule: &LogitRule, part: TilePart) -> bool {
+    rule.softcap.is_none()
         && rule.alibi.is_none()
         && part.value_dim.is_multiple_of(LANES)
         && (!(E::INT8 || E::HALF) || part.lanes == LANES)

@@ -35,7 +35,6 @@ struct Case {
     value_dim: usize,
     /// Positions per tile, in the order the row reads them.
     tiles: Vec<usize>,
-    layout: KeyLayout,
     softcap: Option<f32>,
     alibi: bool,
     element: Element,
@@ -68,11 +67,8 @@ struct StoredTile {
 
 impl StoredTile {
     /// Key `i`'s feature `f` (dequantized, for int8).
-    fn key(&self, layout: KeyLayout, i: usize, f: usize) -> f32 {
-        let index = match layout {
-            KeyLayout::Columns => f * self.key_stride + i,
-            KeyLayout::Rows => i * self.key_stride + f,
-        };
+    fn key(&self, i: usize, f: usize) -> f32 {
+        let index = f * self.key_stride + i;
         match (&self.int8, &self.half) {
             (Some(int8), _) => f32::from(int8.keys[index]) * int8.key_scales[i],
             (None, Some((keys, _))) => keys[index].to_f32(),
@@ -100,10 +96,7 @@ fn as_int8(values: &[f32]) -> Vec<i8> {
 fn stored_tile(case: &Case, count: usize, salt: usize) -> StoredTile {
     // Keys of a later tile scaled up, so that its maximum is new and the running sums rescale.
     let scale = 1.0 + salt as f32 * 0.75;
-    let (key_stride, key_len) = match case.layout {
-        KeyLayout::Columns => (count + 3, case.dim * (count + 3)),
-        KeyLayout::Rows => (case.dim + 2, count * (case.dim + 2)),
-    };
+    let (key_stride, key_len) = (count + 3, case.dim * (count + 3));
     let value_stride = case.value_dim + 5;
     let mut keys: Vec<f32> = spread_values(key_len, salt)
         .into_iter()
@@ -112,11 +105,7 @@ fn stored_tile(case: &Case, count: usize, salt: usize) -> StoredTile {
     let mut values = spread_values(count * value_stride, salt + 11);
     // Poison the padding: a kernel that reads it gives NaN.
     for (i, key) in keys.iter_mut().enumerate() {
-        let padding = match case.layout {
-            KeyLayout::Columns => i % key_stride >= count,
-            KeyLayout::Rows => i % key_stride >= case.dim,
-        };
-        if padding {
+        if i % key_stride >= count {
             *key = f32::NAN;
         }
     }
@@ -187,7 +176,6 @@ fn check(case: &Case) {
         let key_tile = KeyTile {
             keys: &tile.keys,
             key_stride: tile.key_stride,
-            layout: case.layout,
             values: &tile.values,
             value_stride: tile.value_stride,
             count: tile.count,
@@ -203,7 +191,6 @@ fn check(case: &Case) {
                     keys: int8.keys.as_slice(),
                     values: int8.values.as_slice(),
                     key_stride: tile.key_stride,
-                    layout: case.layout,
                     value_stride: tile.value_stride,
                     count: tile.count,
                 };
@@ -221,7 +208,6 @@ fn check(case: &Case) {
                         keys: keys.as_slice(),
                         values: values.as_slice(),
                         key_stride: tile.key_stride,
-                        layout: case.layout,
                         value_stride: tile.value_stride,
                         count: tile.count,
                     };
@@ -240,7 +226,7 @@ fn check(case: &Case) {
         for tile in &tiles {
             for i in 0..tile.count {
                 let mut logit: f64 = (0..dim)
-                    .map(|f| f64::from(query[f]) * f64::from(tile.key(case.layout, i, f)))
+                    .map(|f| f64::from(query[f]) * f64::from(tile.key(i, f)))
                     .sum();
                 if let Some(cap) = case.softcap {
                     logit = f64::from(cap) * (logit / f64::from(cap)).tanh();
@@ -277,10 +263,9 @@ fn check(case: &Case) {
             let ours = f64::from(outputs[head * value_dim + c]) / f64::from(sums[head]);
             assert!(
                 (ours - expected).abs() <= 1e-5 * (1.0 + expected.abs()),
-                "heads {heads}, dim {dim}, value_dim {value_dim}, tiles {:?}, {:?}, softcap \
-                 {:?}, alibi {}, {:?}: head {head} column {c}: {ours} against {expected}",
+                "heads {heads}, dim {dim}, value_dim {value_dim}, tiles {:?}, softcap {:?}, \
+                 alibi {}, {:?}: head {head} column {c}: {ours} against {expected}",
                 case.tiles,
-                case.layout,
                 case.softcap,
                 case.alibi,
                 case.element
@@ -289,23 +274,20 @@ fn check(case: &Case) {
     }
 }
 
-/// Every shape of both layouts, in `element`.
+/// Every shape, in `element`.
 fn matches_for_every_shape(element: Element) {
-    for layout in [KeyLayout::Columns, KeyLayout::Rows] {
-        for heads in [1, 3, 4, 5, 8] {
-            for (dim, value_dim) in [(1, 8), (16, 16), (17, 40), (64, 64), (32, 80), (64, 100)] {
-                for tiles in [vec![16], vec![1], vec![7, 16, 3], vec![32, 17, 40]] {
-                    check(&Case {
-                        heads,
-                        dim,
-                        value_dim,
-                        tiles,
-                        layout,
-                        softcap: None,
-                        alibi: false,
-                        element,
-                    });
-                }
+    for heads in [1, 3, 4, 5, 8] {
+        for (dim, value_dim) in [(1, 8), (16, 16), (17, 40), (64, 64), (32, 80), (64, 100)] {
+            for tiles in [vec![16], vec![1], vec![7, 16, 3], vec![32, 17, 40]] {
+                check(&Case {
+                    heads,
+                    dim,
+                    value_dim,
+                    tiles,
+                    softcap: None,
+                    alibi: false,
+                    element,
+                });
             }
         }
     }
@@ -329,20 +311,17 @@ fn attend_int8_tile_matches_a_softmax_over_the_dequantized_positions_for_every_s
 #[test]
 fn attend_tile_applies_the_soft_cap_and_alibi_penalty() {
     for element in [Element::F32, Element::F16, Element::I8] {
-        for layout in [KeyLayout::Columns, KeyLayout::Rows] {
-            for (softcap, alibi) in [(Some(2.0), false), (None, true), (Some(5.0), true)] {
-                for heads in [1, 4, 6] {
-                    check(&Case {
-                        heads,
-                        dim: 24,
-                        value_dim: 64,
-                        tiles: vec![16, 5, 33],
-                        layout,
-                        softcap,
-                        alibi,
-                        element,
-                    });
-                }
+        for (softcap, alibi) in [(Some(2.0), false), (None, true), (Some(5.0), true)] {
+            for heads in [1, 4, 6] {
+                check(&Case {
+                    heads,
+                    dim: 24,
+                    value_dim: 64,
+                    tiles: vec![16, 5, 33],
+                    softcap,
+                    alibi,
+                    element,
+                });
             }
         }
     }
@@ -390,7 +369,6 @@ fn columns_tile<'a, E>(keys: &'a [E], values: &'a [E], count: usize) -> KeyTile<
     KeyTile {
         keys,
         key_stride: count,
-        layout: KeyLayout::Columns,
         values,
         value_stride: 4,
         count,
@@ -485,12 +463,11 @@ fn block_ahead<'a, E: TileElement>(
     let tile = KeyTile {
         keys,
         key_stride: block_size,
-        layout: KeyLayout::Columns,
         values,
         value_stride: value_dim,
         count,
     };
-    Ahead::of(&tile).expect("feature-major keys")
+    Ahead::of(&tile)
 }
 
 /// A stored block whose feature rows and value rows are whole lines, as the pool's are, of
@@ -549,14 +526,4 @@ fn ahead_asks_for_no_line_of_a_position_past_the_tile() {
     assert_eq!(ahead.value_lines(count, value_dim).count(), 0);
     let lines = lines_asked_for(&ahead, dim, value_dim, block_size);
     assert_eq!(lines, [vec![0, 2, 4, 6], vec![0, 1, 2, 3, 4]]);
-}
-
-#[test]
-fn ahead_skips_a_tile_of_position_major_keys() {
-    let (keys, values) = ([0.0f32; 8], [0.0f32; 8]);
-    let tile = KeyTile {
-        layout: KeyLayout::Rows,
-        ..columns_tile(&keys, &values, 2)
-    };
-    assert!(Ahead::of(&tile).is_none());
 }
