@@ -1,6 +1,6 @@
 //! The `serve` example end to end on flex: continuous batching and one request at a time give
-//! every request the same tokens (the example exits 1 if not), and each way reports its peak
-//! cache memory, stored within allocated.
+//! every request the same tokens, but at a near tie of its two largest logits (the example exits
+//! 1 otherwise), and each way reports its peak cache memory, stored within allocated.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -40,8 +40,15 @@ fn continuous_batching_serves_every_request_the_tokens_of_serving_it_alone() {
         "{stdout}\n{}",
         String::from_utf8_lossy(&run.stderr)
     );
+    // Every request the same tokens, or parted at a near tie (the example fails otherwise).
+    let same: usize = stdout
+        .lines()
+        .find_map(|line| line.strip_suffix(" of 32 requests got the same tokens both ways"))
+        .unwrap_or_else(|| panic!("no count of requests with the same tokens: {stdout}"))
+        .parse()
+        .unwrap();
     assert!(
-        stdout.contains("32 of 32 requests got the same tokens both ways"),
+        same == 32 || stdout.contains("parted at a near tie"),
         "{stdout}"
     );
     for way in ["| continuous batching", "| one at a time"] {
