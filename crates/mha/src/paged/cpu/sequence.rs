@@ -9,7 +9,7 @@ use std::ops::Range;
 use burn::tensor::f16;
 
 use super::{PagedParams, PagedSequence, PoolViews, Sizes, Views};
-use crate::cpu::matrix::{HeadIndex, HeadsView};
+use crate::cpu::matrix::{HeadIndex, HeadsView, Matrix};
 use crate::cpu::simd;
 
 /// Consecutive positions of a sequence that one tile covers, for every key/value head: a
@@ -110,6 +110,26 @@ struct BlockPart {
 }
 
 impl BlockPart {
+    /// The part's columns of `matrix`, a block's `[features, positions]`: all of it for a
+    /// whole block (most tiles, which skip the narrowing's checks and slicing).
+    fn columns<'a, E>(self, matrix: Matrix<'a, E>) -> Matrix<'a, E> {
+        if self.offset == 0 && self.count == matrix.columns {
+            matrix
+        } else {
+            matrix.columns(self.offset, self.count)
+        }
+    }
+
+    /// The part's rows of `matrix`, a block's `[positions, features]`, as
+    /// [`columns`](Self::columns).
+    fn rows<'a, E>(self, matrix: Matrix<'a, E>) -> Matrix<'a, E> {
+        if self.offset == 0 && self.count == matrix.rows {
+            matrix
+        } else {
+            matrix.rows(self.offset, self.count)
+        }
+    }
+
     /// The part's keys (feature-major) and values where they lie in the pool's views.
     fn tile<'a, E>(
         self,
@@ -117,8 +137,8 @@ impl BlockPart {
         values: &HeadsView<'a, E>,
     ) -> simd::KeyTile<'a, E> {
         let (keys, values) = (
-            keys.head(self.head).columns(self.offset, self.count),
-            values.head(self.head).rows(self.offset, self.count),
+            self.columns(keys.head(self.head)),
+            self.rows(values.head(self.head)),
         );
         simd::KeyTile {
             keys: keys.values,
@@ -159,8 +179,8 @@ fn tile<'a>(
                     value_scales,
                 } => {
                     // A row of one scale per position for the keys, a column for the values.
-                    let key_scales = key_scales.head(head).columns(offset, count);
-                    let value_scales = value_scales.head(head).rows(offset, count);
+                    let key_scales = block.columns(key_scales.head(head));
+                    let value_scales = block.rows(value_scales.head(head));
                     let scales = simd::TileScales {
                         keys: key_scales.values,
                         key_stride: key_scales.column_stride,
