@@ -307,8 +307,8 @@ struct Views<'a> {
 }
 
 /// The step's new keys feature-major, `[n_kv_heads, head_dim, rows]` (copied once per step):
-/// the layout of the blocks' keys, which the tile kernel's vector path reads 16 positions at a
-/// time (position-major keys take its dot product per score, several times slower).
+/// the layout of the blocks' keys, the one the tile kernel reads (its vector path 16 positions
+/// of a feature at a time).
 struct NewKeyColumns<'a> {
     values: &'a [f32],
     /// The step's rows (the stride between features).
