@@ -22,7 +22,7 @@ use super::cache::{PagedKvCache, SequenceStep};
 use super::step::StepHeads;
 use super::store::{BlockLayout, StoredBlocks};
 use crate::alibi::alibi_slopes;
-use crate::cpu::matrix::{HeadIndex, HeadsView};
+use crate::cpu::matrix::{HeadIndex, HeadsView, Matrix, transposed_copy};
 use crate::cpu::storage::{CpuStorage, native_storage};
 use crate::module::MultiHeadAttention;
 
@@ -306,58 +306,38 @@ struct Views<'a> {
     new_value: HeadsView<'a>,
 }
 
-/// The step's new keys feature-major, `[n_kv_heads, head_dim, rows]` (copied once per step):
-/// the layout of the blocks' keys, the one the tile kernel reads (its vector path 16 positions
-/// of a feature at a time).
+/// The step's new keys feature-major, a `[head_dim, rows]` matrix per key/value head (copied
+/// once per step): the layout of the blocks' keys, the one the tile kernel reads (its vector
+/// path 16 positions of a feature at a time).
 struct NewKeyColumns<'a> {
-    values: &'a [f32],
-    /// The step's rows (the stride between features).
-    rows: usize,
-    head_dim: usize,
+    heads: Vec<Matrix<'a>>,
 }
 
 impl<'a> NewKeyColumns<'a> {
-    /// `[n_kv_heads, head_dim, rows]` of `new_key` (`[1, n_kv_heads, rows, head_dim]`) into
-    /// `buffer`.
-    fn copy(buffer: &'a mut Vec<f32>, new_key: &HeadsView) -> Self {
-        let [_, n_kv_heads, rows, head_dim] = new_key.shape();
-        buffer.clear();
-        buffer.resize(n_kv_heads * head_dim * rows, 0.0);
-        for kv_head in 0..n_kv_heads {
-            let keys = new_key.head(HeadIndex {
-                batch: 0,
-                head: kv_head,
-            });
-            let columns = &mut buffer[kv_head * head_dim * rows..][..head_dim * rows];
-            for row in 0..rows {
-                for feature in 0..head_dim {
-                    columns[feature * rows + row] =
-                        keys.values[row * keys.row_stride + feature * keys.column_stride];
-                }
-            }
-        }
-        Self {
-            values: buffer,
-            rows,
-            head_dim,
-        }
+    /// Each key/value head of `new_key` (`[1, n_kv_heads, rows, head_dim]`) transposed into
+    /// its buffer of `buffers` (one per head).
+    fn copy(buffers: &'a mut Vec<Vec<f32>>, new_key: &HeadsView) -> Self {
+        let n_kv_heads = new_key.shape()[1];
+        buffers.resize_with(n_kv_heads, Vec::new);
+        let heads = buffers
+            .iter_mut()
+            .enumerate()
+            .map(|(head, buffer)| {
+                transposed_copy(buffer, new_key.head(HeadIndex { batch: 0, head }))
+            })
+            .collect();
+        Self { heads }
     }
 
-    /// The keys of rows `row..row + count` of key/value head `kv_head`: feature `f` of row
-    /// `row + i` at `f · rows + i`.
+    /// The keys of rows `row..row + count` of key/value head `kv_head`, feature `f` of row
+    /// `row + i` at `f · stride + i`, and the stride.
     ///
     /// # Panics
     ///
     /// If they are not rows of the step.
-    fn keys(&self, kv_head: usize, row: usize, count: usize) -> &'a [f32] {
-        assert!(
-            row + count <= self.rows,
-            "paged attention: new rows {row}..{} of {}",
-            row + count,
-            self.rows
-        );
-        let head = &self.values[kv_head * self.head_dim * self.rows..][..self.head_dim * self.rows];
-        &head[row..(self.head_dim.max(1) - 1) * self.rows + row + count]
+    fn keys(&self, kv_head: usize, row: usize, count: usize) -> (&'a [f32], usize) {
+        let columns = self.heads[kv_head].columns(row, count);
+        (columns.values, columns.row_stride)
     }
 }
 

@@ -197,9 +197,10 @@ fn tile<'a>(
                 head: kv_head,
             };
             let values = views.new_value.head(head).rows(row, count);
+            let (keys, key_stride) = views.new_key_columns.keys(kv_head, row, count);
             Tile::Float(simd::KeyTile {
-                keys: views.new_key_columns.keys(kv_head, row, count),
-                key_stride: views.new_key_columns.rows,
+                keys,
+                key_stride,
                 values: values.values,
                 value_stride: values.row_stride,
                 count,
@@ -261,6 +262,7 @@ pub(super) fn sequence_output(
         tiles.extend((0..n_kv_heads).map(|kv_head| tile(views, sequence, kv_head, chunk)));
     }
     for (index, chunk) in chunk_list.iter().enumerate() {
+        let asker = rows.asker(&chunk.positions);
         for kv_head in 0..n_kv_heads {
             let tile_index = index * n_kv_heads + kv_head;
             let ahead = tiles.get(tile_index + distance);
@@ -268,7 +270,6 @@ pub(super) fn sequence_output(
                 prefetch_scales(ahead);
             }
             let mut ahead = ahead.map(Tile::ahead);
-            let asker = rows.asker(&chunk.positions);
             let heads = kv_head * group..(kv_head + 1) * group;
             for row in 0..rows.visible.len() {
                 let visible = &rows.visible[row];
