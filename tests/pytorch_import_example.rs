@@ -4,27 +4,16 @@
 
 #[path = "../crates/mha/tests/common/pytorch_import_cases.rs"]
 mod cases;
+mod common;
 
-use std::path::PathBuf;
 use std::process::Command;
 
 use cases::{CASES, fixture, read_f32, scratch};
-
-fn example_binary() -> PathBuf {
-    // target/<profile>/deps/<this test> → target/<profile>/examples/pytorch_import
-    let test_binary = std::env::current_exe().unwrap();
-    let profile_dir = test_binary.parent().unwrap().parent().unwrap();
-    profile_dir.join("examples").join("pytorch_import")
-}
+use common::example_binary;
 
 #[test]
 fn the_example_reproduces_pytorch_on_every_layout_and_mask_kind() {
-    let binary = example_binary();
-    assert!(
-        binary.exists(),
-        "{} is missing: `cargo test` builds the examples first",
-        binary.display()
-    );
+    let binary = example_binary("pytorch_import");
     for device in ["flex", "ndarray"] {
         for (case, weights, heads, prefix, zero_attn) in CASES {
             let output = scratch(&format!("{case}-{device}.safetensors"));
@@ -73,7 +62,7 @@ fn the_example_reproduces_pytorch_on_every_layout_and_mask_kind() {
 
 #[test]
 fn the_example_reports_bad_arguments_and_files_in_one_line() {
-    let binary = example_binary();
+    let binary = example_binary("pytorch_import");
     let run = |args: &[&str]| {
         let output = Command::new(&binary).args(args).output().unwrap();
         let stderr = String::from_utf8_lossy(&output.stderr).to_string();

@@ -2,15 +2,11 @@
 //! every request the same tokens, but at a near tie of its two largest logits (the example exits
 //! 1 otherwise), and each way reports its peak cache memory, stored within allocated.
 
-use std::path::PathBuf;
+mod common;
+
 use std::process::Command;
 
-fn example_binary() -> PathBuf {
-    // target/<profile>/deps/<this test> → target/<profile>/examples/serve
-    let test_binary = std::env::current_exe().unwrap();
-    let profile_dir = test_binary.parent().unwrap().parent().unwrap();
-    profile_dir.join("examples").join("serve")
-}
+use common::example_binary;
 
 /// The MiB figures of a table row's last cell, `stored MiB / allocated MiB`.
 fn peak_memory(row: &str) -> (f64, f64) {
@@ -24,13 +20,7 @@ fn peak_memory(row: &str) -> (f64, f64) {
 
 #[test]
 fn continuous_batching_serves_every_request_the_tokens_of_serving_it_alone() {
-    let binary = example_binary();
-    assert!(
-        binary.exists(),
-        "{} is missing: `cargo test` builds the examples first",
-        binary.display()
-    );
-    let run = Command::new(&binary)
+    let run = Command::new(example_binary("serve"))
         .args(["--device", "flex"])
         .output()
         .unwrap();
