@@ -1,10 +1,14 @@
 //! Rotary position embeddings (RoPE, Su et al. 2021) applied to query and key heads, with the
 //! position scalings of long-context models, and the cos/sin table computed once per length.
+//! On flex and ndarray (f32) the rotation is one native op (`cpu/rotary.rs`, with or without
+//! autodiff); elsewhere it is tensor ops, which the native op's tests hold it to.
 
 use std::sync::{Arc, Mutex};
 
 use burn::config::Config;
 use burn::tensor::{DType, Device, Int, Tensor, TensorData};
+
+use crate::cpu::native_rotation;
 
 /// Which features of a head form the rotated pairs.
 #[derive(Config, Debug, Copy, PartialEq, Eq)]
@@ -150,6 +154,8 @@ const TABLE_POSITIONS: usize = 1 << 16;
 pub(crate) struct Rope {
     pub config: RopeConfig,
     table: Arc<Mutex<Option<Table>>>,
+    /// The native op's table: f32 on the host.
+    host_table: Arc<Mutex<Option<HostTable>>>,
     /// [`TABLE_POSITIONS`], or fewer where a test sets it.
     table_positions: usize,
 }
@@ -175,6 +181,7 @@ impl Rope {
         Self {
             config,
             table: Arc::new(Mutex::new(None)),
+            host_table: Arc::new(Mutex::new(None)),
             table_positions: positions,
         }
     }
@@ -227,6 +234,16 @@ impl Rope {
             head_dim.is_multiple_of(2),
             "RoPE needs an even head_dim, got {head_dim}"
         );
+        native_rotation(&x, || {
+            self.rotation(head_dim, (start..start + seq).collect())
+        })
+        .unwrap_or_else(|| self.apply_with_tensor_ops(x, start))
+    }
+
+    /// [`Rope::apply`] through tensor ops: every backend's body, and on flex and ndarray what
+    /// the native op is held to.
+    fn apply_with_tensor_ops(&self, x: Tensor<4>, start: usize) -> Tensor<4> {
+        let [_, _, seq, head_dim] = x.dims();
         let (cos, sin) = self.angles(head_dim, start, seq, &x.device(), x.dtype());
         self.rotate(x, cos, sin)
     }
@@ -245,6 +262,13 @@ impl Rope {
              positions for {seq} rows",
             positions.len()
         );
+        native_rotation(&x, || self.rotation(head_dim, positions.to_vec()))
+            .unwrap_or_else(|| self.apply_at_with_tensor_ops(x, positions))
+    }
+
+    /// [`Rope::apply_at`] through tensor ops, as [`Rope::apply_with_tensor_ops`].
+    fn apply_at_with_tensor_ops(&self, x: Tensor<4>, positions: &[usize]) -> Tensor<4> {
+        let [_, _, seq, head_dim] = x.dims();
         let device = x.device();
         let end = positions.iter().max().map_or(0, |&last| last + 1);
         if end > self.table_positions {
@@ -261,6 +285,49 @@ impl Rope {
         );
         let (cos, sin) = (cos.select(0, indices.clone()), sin.select(0, indices));
         self.rotate(x, cos, sin)
+    }
+
+    /// The native op's [`Rotation`] of rows at `positions`: rows of the host table where it
+    /// covers them (grown as [`Rope::angles`] grows its table), else angles of exactly these
+    /// positions.
+    fn rotation(&self, head_dim: usize, positions: Vec<usize>) -> Rotation {
+        let end = positions.iter().max().map_or(0, |&last| last + 1);
+        let layout = self.config.layout;
+        if end > self.table_positions {
+            let (cos, sin) = host_angles(&self.config, head_dim, &positions);
+            return Rotation {
+                cos,
+                sin,
+                rows: (0..positions.len()).collect(),
+                layout,
+                inverse: false,
+            };
+        }
+        let mut table = self
+            .host_table
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let fits = table
+            .as_ref()
+            .is_some_and(|table| table.head_dim == head_dim && table.len >= end);
+        if !fits {
+            let len = end.next_power_of_two().max(64).min(self.table_positions);
+            let (cos, sin) = host_angles(&self.config, head_dim, &(0..len).collect::<Vec<_>>());
+            *table = Some(HostTable {
+                head_dim,
+                len,
+                cos,
+                sin,
+            });
+        }
+        let table = table.as_ref().expect("made above");
+        Rotation {
+            cos: table.cos.clone(),
+            sin: table.sin.clone(),
+            rows: positions.into(),
+            layout,
+            inverse: false,
+        }
     }
 
     /// `x` rotated by the angles whose `cos` and `sin` are given per row (`[seq, head_dim / 2]`).
@@ -314,6 +381,61 @@ impl Table {
     }
 }
 
+/// `cos` and `sin` of positions `0..len` in f32 on the host, `[len, head_dim / 2]` each: the
+/// native op's table.
+#[derive(Debug)]
+struct HostTable {
+    head_dim: usize,
+    len: usize,
+    cos: Arc<[f32]>,
+    sin: Arc<[f32]>,
+}
+
+/// The angles of a rotation: row `r` of every head turns by row `rows[r]` of the tables.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Rotation {
+    /// `[table rows, head_dim / 2]`: each pair's `cos`.
+    pub cos: Arc<[f32]>,
+    /// `[table rows, head_dim / 2]`: each pair's `sin`.
+    pub sin: Arc<[f32]>,
+    /// The table row of each row of the rotated heads.
+    pub rows: Arc<[usize]>,
+    /// Which features form the pairs.
+    pub layout: RopeLayout,
+    /// Turns the other way (by `-angle`): the backward of a rotation.
+    pub inverse: bool,
+}
+
+impl Rotation {
+    /// The rotation by the opposite angles.
+    pub fn inverted(self) -> Self {
+        Self {
+            inverse: !self.inverse,
+            ..self
+        }
+    }
+}
+
+/// [`angles_at`]'s values in f32 on the host.
+fn host_angles(
+    config: &RopeConfig,
+    head_dim: usize,
+    positions: &[usize],
+) -> (Arc<[f32]>, Arc<[f32]>) {
+    let frequencies = config.frequencies(head_dim);
+    let angles = || {
+        positions.iter().flat_map(|&position| {
+            frequencies
+                .iter()
+                .map(move |frequency| position as f64 * frequency)
+        })
+    };
+    (
+        angles().map(|angle| angle.cos() as f32).collect(),
+        angles().map(|angle| angle.sin() as f32).collect(),
+    )
+}
+
 /// `cos` and `sin` of `positions`, `[positions, head_dim / 2]` each: the angles in f64, then in
 /// `dtype`, the same values whether a table holds them or a call computes them.
 fn angles_at(
@@ -353,208 +475,4 @@ impl RopeConfig {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use burn::tensor::{Distribution, Tolerance};
-
-    fn x(device: &Device) -> Tensor<4> {
-        Tensor::<1>::from_data([5.0, 6.0, 7.0, 8.0], device).reshape([1, 1, 1, 4])
-    }
-
-    #[test]
-    fn interleaved_matches_burns_rotary_encoding_reference() {
-        // Burn's RotaryEncoding test: position 1 of [5, 6, 7, 8] is
-        // [5cos1 - 6sin1, 6cos1 + 5sin1, 7cos(0.01) - 8sin(0.01), 8cos(0.01) + 7sin(0.01)].
-        let device = Device::flex();
-        let rotated = RopeConfig::new().apply(x(&device), 1);
-        let (c1, s1, c2, s2) = (1f32.cos(), 1f32.sin(), 0.01f32.cos(), 0.01f32.sin());
-        let expected = [[[[
-            5.0 * c1 - 6.0 * s1,
-            6.0 * c1 + 5.0 * s1,
-            7.0 * c2 - 8.0 * s2,
-            8.0 * c2 + 7.0 * s2,
-        ]]]];
-        rotated
-            .into_data()
-            .assert_approx_eq::<f32>(&expected.into(), Tolerance::absolute(1e-5));
-    }
-
-    /// The interleaved layout is Burn's `RotaryEncoding`, run as Burn runs it, at every offset.
-    #[test]
-    fn interleaved_equals_burns_rotary_encoding_module() {
-        use burn::nn::RotaryEncodingConfig;
-        use burn::tensor::Distribution;
-        let device = Device::flex();
-        let x = Tensor::<4>::random([2, 3, 5, 8], Distribution::Normal(0.0, 1.0), &device);
-        let burns = RotaryEncodingConfig::new(32, 8).init(&device);
-        let rope = Rope::new(RopeConfig::new());
-        for start in [0, 1, 7, 20, 3] {
-            let ours = rope.apply(x.clone(), start);
-            ours.into_data().assert_approx_eq::<f32>(
-                &burns.apply(x.clone(), start).into_data(),
-                Tolerance::absolute(1e-5),
-            );
-        }
-    }
-
-    #[test]
-    fn half_split_rotates_the_two_halves_together() {
-        let device = Device::flex();
-        let rotated = RopeConfig::new()
-            .with_layout(RopeLayout::HalfSplit)
-            .apply(x(&device), 1);
-        let (c1, s1, c2, s2) = (1f32.cos(), 1f32.sin(), 0.01f32.cos(), 0.01f32.sin());
-        // Pairs (x0, x2) at frequency 1 and (x1, x3) at frequency 0.01.
-        let expected = [[[[
-            5.0 * c1 - 7.0 * s1,
-            6.0 * c2 - 8.0 * s2,
-            7.0 * c1 + 5.0 * s1,
-            8.0 * c2 + 6.0 * s2,
-        ]]]];
-        rotated
-            .into_data()
-            .assert_approx_eq::<f32>(&expected.into(), Tolerance::absolute(1e-5));
-    }
-
-    #[test]
-    fn rows_at_their_own_positions_rotate_as_each_alone() {
-        let device = Device::flex();
-        for layout in [RopeLayout::Interleaved, RopeLayout::HalfSplit] {
-            let rope = Rope::new(RopeConfig::new().with_layout(layout));
-            let seq = 6;
-            let values: Vec<f32> = (0..2 * seq * 8).map(|i| (i as f32 * 0.37).sin()).collect();
-            let x = Tensor::<1>::from_data(values.as_slice(), &device).reshape([1, 2, seq, 8]);
-            let positions: Vec<usize> = (0..seq).map(|row| 7 * row % 5 + 3 * row).collect();
-            let together = rope.apply_at(x.clone(), &positions);
-            for (row, &position) in positions.iter().enumerate() {
-                let alone = rope.apply(x.clone().narrow(2, row, 1), position);
-                together
-                    .clone()
-                    .narrow(2, row, 1)
-                    .into_data()
-                    .assert_approx_eq::<f32>(&alone.into_data(), Tolerance::absolute(1e-6));
-            }
-        }
-    }
-
-    #[test]
-    fn position_zero_is_the_identity() {
-        let device = Device::flex();
-        for layout in [RopeLayout::Interleaved, RopeLayout::HalfSplit] {
-            let rotated = RopeConfig::new().with_layout(layout).apply(x(&device), 0);
-            rotated
-                .into_data()
-                .assert_approx_eq::<f32>(&x(&device).into_data(), Tolerance::absolute(1e-6));
-        }
-    }
-
-    /// The table grows when a later call needs more positions, and a grown table gives what a
-    /// fresh one gives.
-    #[test]
-    fn the_table_grows_and_gives_the_same_angles() {
-        let device = Device::flex();
-        let rope = Rope::new(RopeConfig::new());
-        let x = Tensor::<4>::ones([1, 1, 3, 8], &device);
-        let early = rope.apply(x.clone(), 60);
-        let late = rope.apply(x.clone(), 200);
-        early.into_data().assert_approx_eq::<f32>(
-            &RopeConfig::new().apply(x.clone(), 60).into_data(),
-            Tolerance::absolute(1e-6),
-        );
-        late.into_data().assert_approx_eq::<f32>(
-            &RopeConfig::new().apply(x, 200).into_data(),
-            Tolerance::absolute(1e-6),
-        );
-        assert_eq!(rope.table.lock().unwrap().as_ref().unwrap().len, 256);
-    }
-
-    /// Past the table's positions the angles are computed per call, the table stops growing,
-    /// and the rotations are those the table gives, bit for bit (contiguous and ragged rows).
-    #[test]
-    fn positions_past_the_table_rotate_as_the_table_does_without_growing_it() {
-        let device = Device::flex();
-        let x = Tensor::<4>::random([2, 3, 5, 8], Distribution::Normal(0.0, 1.0), &device);
-        let bounded = Rope::with_table_positions(RopeConfig::new(), 64);
-        let table = Rope::new(RopeConfig::new());
-        for start in [0, 60, 100, 1000] {
-            let what = format!("from position {start}");
-            assert_eq!(
-                bounded.apply(x.clone(), start).into_data(),
-                table.apply(x.clone(), start).into_data(),
-                "{what}"
-            );
-        }
-        let ragged = [3, 70, 64, 5000, 2];
-        assert_eq!(
-            bounded.apply_at(x.clone(), &ragged).into_data(),
-            table.apply_at(x, &ragged).into_data(),
-            "ragged"
-        );
-        assert_eq!(bounded.table.lock().unwrap().as_ref().unwrap().len, 64);
-    }
-
-    /// Linear and Llama 3 scaling give the frequencies Hugging Face's `rope_type` "linear" and
-    /// "llama3" give (`tests/fixtures/rope_scaling.json`, written by
-    /// `generate_pytorch_fixtures.py --only rope`).
-    #[test]
-    fn scaled_frequencies_match_hugging_faces() {
-        let fixture: serde_json::Value =
-            serde_json::from_str(include_str!("../tests/fixtures/rope_scaling.json")).unwrap();
-        let cases = fixture["cases"].as_array().unwrap();
-        assert_eq!(cases.len(), 9);
-        for case in cases {
-            let scaling = match &case["scaling"] {
-                serde_json::Value::Null => None,
-                scaling if scaling.get("linear").is_some() => Some(RopeScaling::Linear {
-                    factor: scaling["linear"].as_f64().unwrap(),
-                }),
-                scaling => {
-                    let values = scaling["llama3"].as_array().unwrap();
-                    Some(RopeScaling::Llama3 {
-                        factor: values[0].as_f64().unwrap(),
-                        low_freq_factor: values[1].as_f64().unwrap(),
-                        high_freq_factor: values[2].as_f64().unwrap(),
-                        original_max_position: values[3].as_u64().unwrap() as usize,
-                    })
-                }
-            };
-            let config = RopeConfig::new()
-                .with_theta(case["theta"].as_f64().unwrap())
-                .with_scaling(scaling);
-            let ours = config.frequencies(case["head_dim"].as_u64().unwrap() as usize);
-            let expected: Vec<f64> = case["frequencies"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|f| f.as_f64().unwrap())
-                .collect();
-            assert_eq!(ours.len(), expected.len());
-            for (a, b) in ours.iter().zip(&expected) {
-                assert!((a - b).abs() <= 1e-12 * b.abs(), "{scaling:?}: {a} vs {b}");
-            }
-        }
-    }
-
-    /// The rotation uses the scaled frequencies: under linear scaling by 4, position `4p`
-    /// rotates as position `p` does unscaled (both layouts).
-    #[test]
-    fn linear_scaling_rotates_position_4p_as_p() {
-        let device = Device::flex();
-        for layout in [RopeLayout::Interleaved, RopeLayout::HalfSplit] {
-            let plain = RopeConfig::new().with_layout(layout);
-            let scaled = plain
-                .clone()
-                .with_scaling(Some(RopeScaling::Linear { factor: 4.0 }));
-            for position in [1, 7, 300] {
-                let x = x(&device).narrow(2, 0, 1);
-                scaled
-                    .apply(x.clone(), 4 * position)
-                    .into_data()
-                    .assert_approx_eq::<f32>(
-                        &plain.apply(x, position).into_data(),
-                        Tolerance::absolute(1e-4),
-                    );
-            }
-        }
-    }
-}
+mod tests;

@@ -7,7 +7,8 @@
 //! - `matrix.rs`: strided matrices, the `gemm` wrapper and the task runner (the unsafe code);
 //! - `simd.rs`: row kernels compiled for AVX-512 and AVX2 + FMA, picked at run time;
 //! - `buffers.rs`: the bounded pool of output buffers (`mha::buffer_pool`);
-//! - `linear.rs`: `x · W + b` as one op with its own backward.
+//! - `linear.rs`: `x · W + b` as one op with its own backward;
+//! - `rotary.rs`: RoPE's rotation as one op, its backward the inverse rotation.
 //!
 //! All of it needs a CPU backend compiled in (this crate's `flex` or `ndarray` feature); without
 //! one, no projection runs natively.
@@ -19,12 +20,16 @@ pub(crate) mod linear;
 #[cfg(any(feature = "flex", feature = "ndarray"))]
 pub(crate) mod matrix;
 #[cfg(any(feature = "flex", feature = "ndarray"))]
+pub(crate) mod rotary;
+#[cfg(any(feature = "flex", feature = "ndarray"))]
 pub(crate) mod simd;
 #[cfg(any(feature = "flex", feature = "ndarray"))]
 pub(crate) mod storage;
 
 #[cfg(any(feature = "flex", feature = "ndarray"))]
 pub(crate) use linear::{native_linear, native_packed_linear};
+#[cfg(any(feature = "flex", feature = "ndarray"))]
+pub(crate) use rotary::native_rotation;
 
 /// Without a CPU backend compiled in, no projection runs natively: `Linear::forward` it is.
 #[cfg(not(any(feature = "flex", feature = "ndarray")))]
@@ -41,5 +46,14 @@ pub(crate) fn native_packed_linear(
     _: [&burn::nn::Linear; 3],
     _: &burn::tensor::Tensor<3>,
 ) -> Option<burn::tensor::Tensor<3>> {
+    None
+}
+
+/// Without a CPU backend compiled in, no rotation runs natively: the tensor ops it is.
+#[cfg(not(any(feature = "flex", feature = "ndarray")))]
+pub(crate) fn native_rotation(
+    _: &burn::tensor::Tensor<4>,
+    _: impl FnOnce() -> crate::rotary::Rotation,
+) -> Option<burn::tensor::Tensor<4>> {
     None
 }
