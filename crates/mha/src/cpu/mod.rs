@@ -8,13 +8,16 @@
 //! - `simd.rs`: row kernels compiled for AVX-512 and AVX2 + FMA, picked at run time;
 //! - `buffers.rs`: the bounded pool of output buffers (`mha::buffer_pool`);
 //! - `linear.rs`: `x · W + b` as one op with its own backward;
-//! - `rotary.rs`: RoPE's rotation as one op, its backward the inverse rotation.
+//! - `rotary.rs`: RoPE's rotation as one op, its backward the inverse rotation;
+//! - `gelu.rs`: the exact GELU as one vectorised op, with its backward.
 //!
 //! All of it needs a CPU backend compiled in (this crate's `flex` or `ndarray` feature); without
 //! one, no projection runs natively.
 
 #[cfg(any(feature = "flex", feature = "ndarray"))]
 pub(crate) mod buffers;
+#[cfg(any(feature = "flex", feature = "ndarray"))]
+pub(crate) mod gelu;
 #[cfg(any(feature = "flex", feature = "ndarray"))]
 pub(crate) mod linear;
 #[cfg(any(feature = "flex", feature = "ndarray"))]
@@ -26,6 +29,8 @@ pub(crate) mod simd;
 #[cfg(any(feature = "flex", feature = "ndarray"))]
 pub(crate) mod storage;
 
+#[cfg(any(feature = "flex", feature = "ndarray"))]
+pub(crate) use gelu::native_gelu;
 #[cfg(any(feature = "flex", feature = "ndarray"))]
 pub(crate) use linear::{native_linear, native_packed_linear};
 #[cfg(any(feature = "flex", feature = "ndarray"))]
@@ -55,5 +60,11 @@ pub(crate) fn native_rotation(
     _: &burn::tensor::Tensor<4>,
     _: impl FnOnce() -> crate::rotary::Rotation,
 ) -> Option<burn::tensor::Tensor<4>> {
+    None
+}
+
+/// Without a CPU backend compiled in, no GELU runs natively: Burn's it is.
+#[cfg(not(any(feature = "flex", feature = "ndarray")))]
+pub(crate) fn native_gelu(_: &burn::tensor::Tensor<3>) -> Option<burn::tensor::Tensor<3>> {
     None
 }

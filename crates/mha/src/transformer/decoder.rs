@@ -7,7 +7,7 @@ use burn::nn::transformer::{PositionWiseFeedForward, PositionWiseFeedForwardConf
 use burn::nn::{Dropout, DropoutConfig, Initializer, LayerNorm, LayerNormConfig};
 use burn::tensor::{Bool, Device, Tensor};
 
-use super::{BURN_TRANSFORMER_INITIALIZER, residual};
+use super::{BURN_TRANSFORMER_INITIALIZER, feed_forward, residual};
 use crate::{
     AttentionInitializer, AttnMask, CacheError, CrossAttentionCache, IntoAttnMask, KvCache,
     MhaInput, MultiHeadAttention, MultiHeadAttentionConfig, NeedWeights, RopeConfig,
@@ -263,7 +263,9 @@ impl TransformerDecoderLayer {
                 .forward(input.cross_attention_input(x))
                 .context
         });
-        self.sublayer(x, &self.feed_forward_norm, |x| self.feed_forward.forward(x))
+        self.sublayer(x, &self.feed_forward_norm, |x| {
+            feed_forward(&self.feed_forward, x)
+        })
     }
 
     fn sublayer(
@@ -313,7 +315,9 @@ impl TransformerDecoderLayer {
                 .forward_cross_cached(x, memory, NeedWeights::No)
                 .context
         });
-        Ok(self.sublayer(x, &self.feed_forward_norm, |x| self.feed_forward.forward(x)))
+        Ok(self.sublayer(x, &self.feed_forward_norm, |x| {
+            feed_forward(&self.feed_forward, x)
+        }))
     }
 
     /// The memory projected by this layer's cross-attention, with its padding.

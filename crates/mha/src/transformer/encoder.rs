@@ -7,7 +7,7 @@ use burn::nn::transformer::{PositionWiseFeedForward, PositionWiseFeedForwardConf
 use burn::nn::{Dropout, DropoutConfig, Initializer, LayerNorm, LayerNormConfig};
 use burn::tensor::{Bool, Device, Int, Tensor};
 
-use super::{BURN_TRANSFORMER_INITIALIZER, residual};
+use super::{BURN_TRANSFORMER_INITIALIZER, feed_forward, residual};
 use crate::{
     AttentionInitializer, AttnMask, CacheError, IntoAttnMask, KvCache, MhaInput,
     MultiHeadAttention, MultiHeadAttentionConfig, RopeConfig,
@@ -241,7 +241,7 @@ impl TransformerEncoderLayer {
             &self.feed_forward_norm,
             &self.dropout,
             self.norm_first,
-            |x| self.feed_forward.forward(x),
+            |x| feed_forward(&self.feed_forward, x),
         )
     }
 
