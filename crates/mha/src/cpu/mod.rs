@@ -9,7 +9,7 @@
 //! - `buffers.rs`: the bounded pool of output buffers (`mha::buffer_pool`);
 //! - `linear.rs`: `x · W + b` as one op with its own backward;
 //! - `rotary.rs`: RoPE's rotation as one op, its backward the inverse rotation;
-//! - `gelu.rs`: the exact GELU as one vectorised op, with its backward.
+//! - `gelu.rs`: the GELU (exact or tanh-approximated) as one vectorised op, with its backward.
 //!
 //! All of it needs a CPU backend compiled in (this crate's `flex` or `ndarray` feature); without
 //! one, no projection runs natively.
@@ -30,7 +30,7 @@ pub(crate) mod simd;
 pub(crate) mod storage;
 
 #[cfg(any(feature = "flex", feature = "ndarray"))]
-pub(crate) use gelu::native_gelu;
+pub(crate) use gelu::{GeluKind, native_gelu};
 #[cfg(any(feature = "flex", feature = "ndarray"))]
 pub(crate) use linear::{native_linear, native_packed_linear};
 #[cfg(any(feature = "flex", feature = "ndarray"))]
@@ -63,8 +63,19 @@ pub(crate) fn native_rotation(
     None
 }
 
+/// Which GELU (as `gelu::GeluKind`), where no CPU backend is compiled in.
+#[cfg(not(any(feature = "flex", feature = "ndarray")))]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum GeluKind {
+    Exact,
+    Tanh,
+}
+
 /// Without a CPU backend compiled in, no GELU runs natively: Burn's it is.
 #[cfg(not(any(feature = "flex", feature = "ndarray")))]
-pub(crate) fn native_gelu(_: &burn::tensor::Tensor<3>) -> Option<burn::tensor::Tensor<3>> {
+pub(crate) fn native_gelu(
+    _: &burn::tensor::Tensor<3>,
+    _: GeluKind,
+) -> Option<burn::tensor::Tensor<3>> {
     None
 }

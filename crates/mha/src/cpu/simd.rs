@@ -381,20 +381,55 @@ fn tanh<const FMA: bool>(x: f32) -> f32 {
 }
 
 dispatch! {
-    fn gelu(values: &mut [f32]) -> () {
-        for value in values.iter_mut() {
-            *value *= normal_cdf::<FMA>(*value);
+    fn gelu(values: &mut [f32], tanh_approximation: bool) -> () {
+        if tanh_approximation {
+            for value in values.iter_mut() {
+                *value *= tanh_gate::<FMA>(*value).gate;
+            }
+        } else {
+            for value in values.iter_mut() {
+                *value *= normal_cdf::<FMA>(*value);
+            }
         }
     }
 }
 
 dispatch! {
-    fn gelu_grad(grads: &mut [f32], inputs: &[f32]) -> () {
+    fn gelu_grad(grads: &mut [f32], inputs: &[f32], tanh_approximation: bool) -> () {
         const INV_SQRT_2PI: f32 = 0.398_942_3;
-        for (grad, &x) in grads.iter_mut().zip(inputs) {
-            let density = INV_SQRT_2PI * exp::<FMA>(-0.5 * x * x);
-            *grad *= mul_add::<FMA>(x, density, normal_cdf::<FMA>(x));
+        if tanh_approximation {
+            for (grad, &x) in grads.iter_mut().zip(inputs) {
+                let TanhGate { gate, slope } = tanh_gate::<FMA>(x);
+                // d/dx [x · σ(2u)] = σ + x · σ (1 - σ) · 2u'.
+                *grad *= mul_add::<FMA>(x * gate * (1.0 - gate), 2.0 * slope, gate);
+            }
+        } else {
+            for (grad, &x) in grads.iter_mut().zip(inputs) {
+                let density = INV_SQRT_2PI * exp::<FMA>(-0.5 * x * x);
+                *grad *= mul_add::<FMA>(x, density, normal_cdf::<FMA>(x));
+            }
         }
+    }
+}
+
+/// The tanh approximation's gate `(1 + tanh u) / 2 = σ(2u)`, `u = √(2/π) (x + 0.044715 x³)`,
+/// and `u'`.
+struct TanhGate {
+    gate: f32,
+    slope: f32,
+}
+
+/// [`TanhGate`] of `x`, the gate as `1 / (1 + e^(-2u))` (no `1 + tanh` to lose the small values'
+/// digits for `x < 0`).
+#[inline(always)]
+fn tanh_gate<const FMA: bool>(x: f32) -> TanhGate {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    const CUBIC: f32 = 0.044_715;
+    let squared = x * x;
+    let u = SQRT_2_OVER_PI * mul_add::<FMA>(CUBIC * squared, x, x);
+    TanhGate {
+        gate: 1.0 / (1.0 + exp::<FMA>(-2.0 * u)),
+        slope: SQRT_2_OVER_PI * mul_add::<FMA>(3.0 * CUBIC, squared, 1.0),
     }
 }
 

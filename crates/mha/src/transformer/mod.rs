@@ -30,7 +30,7 @@ use burn::nn::transformer::PositionWiseFeedForward;
 use burn::nn::{Dropout, LayerNorm, Linear};
 use burn::tensor::Tensor;
 
-use crate::cpu::{native_gelu, native_linear};
+use crate::cpu::{GeluKind, native_gelu, native_linear};
 
 /// Burn's default initializer for its Transformer modules (Kaiming-uniform with gain
 /// `1/sqrt(3)`), as a config default expression.
@@ -54,7 +54,8 @@ fn residual(
 }
 
 /// [`PositionWiseFeedForward::forward`] with its two projections through this crate's
-/// projection op and its exact GELU through the vectorised one where they run (an f32 input on
+/// projection op and its GELU (exact or tanh-approximated) through the vectorised one where
+/// they run (an f32 input on
 /// flex or ndarray, with or without autodiff: the bias written into the output rows and the
 /// product accumulated onto it, no zeroed-then-copied outputs, native backwards), else
 /// `Linear::forward` and Burn's activation: the same values either way (the GELU to within a
@@ -65,8 +66,13 @@ fn feed_forward(feed_forward: &PositionWiseFeedForward, x: Tensor<3>) -> Tensor<
     };
     let x = project(&feed_forward.linear_inner, x);
     let x = match &feed_forward.activation {
-        Activation::Gelu(gelu) if !gelu.approximate => {
-            native_gelu(&x).unwrap_or_else(|| feed_forward.activation.forward(x))
+        Activation::Gelu(gelu) => {
+            let kind = if gelu.approximate {
+                GeluKind::Tanh
+            } else {
+                GeluKind::Exact
+            };
+            native_gelu(&x, kind).unwrap_or_else(|| feed_forward.activation.forward(x))
         }
         activation => activation.forward(x),
     };
@@ -77,24 +83,36 @@ fn feed_forward(feed_forward: &PositionWiseFeedForward, x: Tensor<3>) -> Tensor<
 #[cfg(test)]
 mod tests {
     use burn::module::Module;
+    use burn::nn::activation::ActivationConfig;
     use burn::nn::transformer::PositionWiseFeedForwardConfig;
     use burn::tensor::{Device, Distribution, Tolerance};
 
     use super::*;
 
-    /// The feed-forward through the projection op and the native GELU gives burn-nn's values
-    /// and gradients (input and both weights) on flex, with and without autodiff; on ndarray it
-    /// is held to burn-nn's on flex (Burn's ndarray GELU gradient is off by up to 1e-3).
+    /// The feed-forward through the projection op and the native GELU (exact, tanh; ReLU
+    /// through Burn's) gives burn-nn's values and gradients (input and both weights) on flex,
+    /// with and without autodiff; on ndarray it is held to burn-nn's on flex (Burn's ndarray
+    /// GELU gradient is off by up to 1e-3).
     #[test]
     fn the_feed_forward_equals_burn_nns() {
         let flex = Device::flex().autodiff();
         // ndarray is deprecated in Burn 0.22 but still one of the two native backends.
         #[allow(deprecated)]
         let devices = [Device::flex(), Device::ndarray()];
-        for device in devices {
+        let activations = [
+            ActivationConfig::Gelu,
+            ActivationConfig::GeluApproximate,
+            ActivationConfig::Relu,
+        ];
+        for (device, activation) in devices.into_iter().flat_map(|device| {
+            activations
+                .clone()
+                .map(move |activation| (device.clone(), activation))
+        }) {
             let device = device.autodiff();
             let module = PositionWiseFeedForwardConfig::new(16, 48)
                 .with_dropout(0.0)
+                .with_activation(activation)
                 .init(&device);
             let reference = module.clone().fork(&flex);
             let x = Tensor::<3>::random([2, 5, 16], Distribution::Default, &device);
