@@ -210,10 +210,7 @@ impl Rope {
                 && table.len >= start + seq
         });
         if !fits {
-            let len = (start + seq)
-                .next_power_of_two()
-                .max(64)
-                .min(self.table_positions);
+            let len = self.table_len(start + seq);
             *table = Some(Table::new(&self.config, head_dim, len, device, dtype));
         }
         let table = table.as_ref().expect("made above");
@@ -287,6 +284,12 @@ impl Rope {
         self.rotate(x, cos, sin)
     }
 
+    /// The positions a table grown to cover `0..end` holds: a power of two, at least 64, at most
+    /// the table's bound (both bodies' tables grow alike).
+    fn table_len(&self, end: usize) -> usize {
+        end.next_power_of_two().max(64).min(self.table_positions)
+    }
+
     /// The native op's [`Rotation`] of rows at `positions`: rows of the host table where it
     /// covers them (grown as [`Rope::angles`] grows its table), else angles of exactly these
     /// positions.
@@ -311,7 +314,7 @@ impl Rope {
             .as_ref()
             .is_some_and(|table| table.head_dim == head_dim && table.len >= end);
         if !fits {
-            let len = end.next_power_of_two().max(64).min(self.table_positions);
+            let len = self.table_len(end);
             let (cos, sin) = host_angles(&self.config, head_dim, &(0..len).collect::<Vec<_>>());
             *table = Some(HostTable {
                 head_dim,
@@ -422,18 +425,25 @@ fn host_angles(
     head_dim: usize,
     positions: &[usize],
 ) -> (Arc<[f32]>, Arc<[f32]>) {
+    let angles = angles(config, head_dim, positions);
+    (
+        angles.iter().map(|angle| angle.cos() as f32).collect(),
+        angles.iter().map(|angle| angle.sin() as f32).collect(),
+    )
+}
+
+/// The angle of every pair of features at each of `positions`, `[positions, head_dim / 2]`, in
+/// f64.
+fn angles(config: &RopeConfig, head_dim: usize, positions: &[usize]) -> Vec<f64> {
     let frequencies = config.frequencies(head_dim);
-    let angles = || {
-        positions.iter().flat_map(|&position| {
+    positions
+        .iter()
+        .flat_map(|&position| {
             frequencies
                 .iter()
                 .map(move |frequency| position as f64 * frequency)
         })
-    };
-    (
-        angles().map(|angle| angle.cos() as f32).collect(),
-        angles().map(|angle| angle.sin() as f32).collect(),
-    )
+        .collect()
 }
 
 /// `cos` and `sin` of `positions`, `[positions, head_dim / 2]` each: the angles in f64, then in
@@ -445,17 +455,10 @@ fn angles_at(
     device: &Device,
     dtype: DType,
 ) -> (Tensor<2>, Tensor<2>) {
-    let frequencies = config.frequencies(head_dim);
     let (rows, half) = (positions.len(), head_dim / 2);
-    let mut cos = Vec::with_capacity(rows * half);
-    let mut sin = Vec::with_capacity(rows * half);
-    for &position in positions {
-        for frequency in &frequencies {
-            let angle = position as f64 * frequency;
-            cos.push(angle.cos());
-            sin.push(angle.sin());
-        }
-    }
+    let angles = angles(config, head_dim, positions);
+    let cos: Vec<f64> = angles.iter().map(|angle| angle.cos()).collect();
+    let sin: Vec<f64> = angles.iter().map(|angle| angle.sin()).collect();
     (
         Tensor::from_data(TensorData::new(cos, [rows, half]), (device, dtype)),
         Tensor::from_data(TensorData::new(sin, [rows, half]), (device, dtype)),

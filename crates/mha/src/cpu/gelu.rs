@@ -119,9 +119,9 @@ fn elementwise<B: CpuStorage>(
     grad: Option<&FloatTensor<B>>,
     kind: GeluKind,
 ) -> FloatTensor<B> {
-    let matrix_of = |tensor: &FloatTensor<B>| B::readable(tensor).expect("GELU: an f32 tensor");
-    let readable_x = matrix_of(x);
-    let readable_grad = grad.map(matrix_of);
+    let readable = |tensor: &FloatTensor<B>| B::readable(tensor).expect("GELU: an f32 tensor");
+    let readable_x = readable(x);
+    let readable_grad = grad.map(readable);
     let x = rows_of::<B>(&readable_x);
     let grad = readable_grad.as_ref().map(rows_of::<B>);
     if let Some(grad) = &grad {
@@ -139,14 +139,12 @@ fn elementwise<B: CpuStorage>(
     let mut scratch = Vec::new();
     let pass = |row: usize, out: &mut [f32], scratch: &mut Vec<f32>| match &grad {
         None => {
-            copy_row(out, x, row);
+            x.copy_row(row, out);
             simd::gelu(out, kind == GeluKind::Tanh);
         }
         Some(grad) => {
-            copy_row(out, *grad, row);
-            scratch.resize(columns, 0.0);
-            copy_row(scratch, x, row);
-            simd::gelu_grad(out, scratch, kind == GeluKind::Tanh);
+            grad.copy_row(row, out);
+            simd::gelu_grad(out, x.row_or_copy(row, scratch), kind == GeluKind::Tanh);
         }
     };
     if columns > 0 && output.len() >= PARALLEL_ELEMENTS {
@@ -172,18 +170,6 @@ fn rows_of<B: CpuStorage>(readable: &FloatTensor<B>) -> Matrix<'_> {
         view.shape()
     );
     view.head(HeadIndex { batch: 0, head: 0 })
-}
-
-/// Row `row` of `matrix` into `out` (its length).
-fn copy_row(out: &mut [f32], matrix: Matrix, row: usize) {
-    if matrix.column_stride == 1 || matrix.columns <= 1 {
-        out.copy_from_slice(matrix.row(row));
-    } else {
-        let start = row * matrix.row_stride;
-        for (column, value) in out.iter_mut().enumerate() {
-            *value = matrix.values[start + column * matrix.column_stride];
-        }
-    }
 }
 
 /// Under autodiff the GELU's backward is the native gradient pass over the saved input.

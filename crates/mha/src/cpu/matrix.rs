@@ -607,6 +607,53 @@ pub(crate) fn transposed_copy<'b>(buffer: &'b mut Vec<f32>, matrix: Matrix) -> M
     Matrix::new(values, columns, rows, stride, 1)
 }
 
+impl<'a, E: Copy> Matrix<'a, E> {
+    /// Row `row` copied into `out` (the matrix's `columns` long), whatever its column stride.
+    ///
+    /// # Panics
+    ///
+    /// If it is not a row of the matrix, or `out` is not `columns` long.
+    pub fn copy_row(self, row: usize, out: &mut [E]) {
+        assert!(
+            row < self.rows && out.len() == self.columns,
+            "CPU kernel: row {row} of a {}x{} matrix into {} elements",
+            self.rows,
+            self.columns,
+            out.len()
+        );
+        let start = row * self.row_stride;
+        match self.column_stride {
+            1 => out.copy_from_slice(&self.values[start..start + self.columns]),
+            stride => {
+                for (column, slot) in out.iter_mut().enumerate() {
+                    *slot = self.values[start + column * stride];
+                }
+            }
+        }
+    }
+
+    /// Row `row` as a slice: in place where its elements are adjacent, else copied into
+    /// `scratch`.
+    ///
+    /// # Panics
+    ///
+    /// If it is not a row of the matrix.
+    pub fn row_or_copy<'s>(self, row: usize, scratch: &'s mut Vec<E>) -> &'s [E]
+    where
+        'a: 's,
+    {
+        if self.column_stride == 1 || self.columns <= 1 {
+            return self.row(row);
+        }
+        scratch.clear();
+        scratch.extend(
+            (0..self.columns)
+                .map(|column| self.values[row * self.row_stride + column * self.column_stride]),
+        );
+        scratch
+    }
+}
+
 /// `matrix` (`[rows, columns]`, any strides) copied into `buffer` as dense rows.
 ///
 /// Why: `dS K` and `P V` read a head's keys or values as their right-hand factor, which
@@ -618,15 +665,7 @@ pub(crate) fn dense_copy<'b>(buffer: &'b mut Vec<f32>, matrix: Matrix) -> Matrix
     let (rows, columns) = (matrix.rows, matrix.columns);
     let values = grown(buffer, rows * columns);
     for (row, out) in values.chunks_exact_mut(columns.max(1)).enumerate() {
-        let source = matrix.rows(row, 1);
-        match source.column_stride {
-            1 => out.copy_from_slice(&source.values[..columns]),
-            stride => {
-                for (column, slot) in out.iter_mut().enumerate() {
-                    *slot = source.values[column * stride];
-                }
-            }
-        }
+        matrix.copy_row(row, out);
     }
     Matrix::dense(values, rows, columns)
 }

@@ -147,14 +147,8 @@ fn rotate_pairs(
     angles: &PairAngles,
     layout: crate::rotary::RopeLayout,
 ) {
-    let mut copied = Vec::new();
-    let input: &[f32] = if matrix.column_stride == 1 || matrix.columns <= 1 {
-        matrix.row(row)
-    } else {
-        let start = row * matrix.row_stride;
-        copied.extend((0..matrix.columns).map(|f| matrix.values[start + f * matrix.column_stride]));
-        &copied
-    };
+    let mut scratch = Vec::new();
+    let input = matrix.row_or_copy(row, &mut scratch);
     let turn = |a: f32, b: f32, cos: f32, sin: f32| {
         let sin = angles.sign * sin;
         (a * cos - b * sin, b * cos + a * sin)

@@ -232,3 +232,22 @@ fn tasks_run_once_each_on_one_thread_and_on_the_pool() {
         assert_eq!(seen, (0..50).collect::<Vec<_>>(), "{threads:?}");
     }
 }
+
+/// A row reads the same through adjacent elements and through a column stride, copied or in
+/// place.
+#[test]
+fn rows_read_alike_whatever_the_column_stride() {
+    // [[0, 1, 2], [3, 4, 5]] and its transpose read from the same buffer.
+    let values: Vec<f32> = (0..6).map(|v| v as f32).collect();
+    let matrix = Matrix::dense(&values, 2, 3);
+    let transposed = matrix.transposed();
+    let mut out = [0.0f32; 2];
+    transposed.copy_row(2, &mut out);
+    assert_eq!(out, [2.0, 5.0]);
+    let mut scratch = Vec::new();
+    assert_eq!(transposed.row_or_copy(1, &mut scratch), [1.0, 4.0]);
+    assert_eq!(matrix.row_or_copy(1, &mut scratch), [3.0, 4.0, 5.0]);
+    let mut out = [0.0f32; 3];
+    matrix.copy_row(0, &mut out);
+    assert_eq!(out, [0.0, 1.0, 2.0]);
+}
