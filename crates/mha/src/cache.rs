@@ -23,7 +23,8 @@ pub use storage::CacheStorage;
 pub(crate) use storage::{
     Quantized, beyond_half_range, dequantize_int8, in_dtype, quantize_int8, storage_unsupported,
 };
-use stored::Stored;
+pub(crate) use stored::CompressedBuffers;
+use stored::{Layout, Side, Stored};
 use undo::{StepUndo, UndoLog};
 
 /// How many key/value positions a [`KvCache`] keeps.
@@ -413,7 +414,42 @@ impl KvCache {
         key: Tensor<4>,
         value: Tensor<4>,
     ) -> (Tensor<4>, Tensor<4>) {
-        let [batch, n_kv_heads, new, head_dim] = key.dims();
+        self.check_step(&step, &key);
+        let dtype = key.dtype();
+        let attended = self.attended_unless_stored_exactly(&key, &value, dtype);
+        let read = attended.is_none().then_some(dtype);
+        let stored = self.store_step(step, key, value, read);
+        attended
+            .or(stored)
+            .expect("the stored positions were read where nothing else was")
+    }
+
+    /// [`append`](Self::append) for a step that attended to the cache in place
+    /// ([`in_place_buffers`](Self::in_place_buffers)): stores the keys and values without
+    /// reading the cache.
+    ///
+    /// # Panics
+    ///
+    /// As [`append`](Self::append).
+    pub(crate) fn store(&mut self, step: CacheStep, key: Tensor<4>, value: Tensor<4>) {
+        self.check_step(&step, &key);
+        self.store_step(step, key, value, None);
+    }
+
+    /// A compressed cache's buffers, keys then values (every position of their capacity, the
+    /// first [`stored`](Self::stored) the cache's; keys feature-major), which a decoding step
+    /// reads in place; `None` for float storage or an empty cache.
+    pub(crate) fn in_place_buffers(&self) -> Option<[CompressedBuffers<'_>; 2]> {
+        let (key, value) = (self.key.as_ref()?, self.value.as_ref()?);
+        if key.len() == 0 || key.layout() != Layout::FeatureMajor {
+            return None;
+        }
+        Some([key.compressed()?, value.compressed()?])
+    }
+
+    /// Panics unless `key` holds `step`'s new tokens.
+    fn check_step(&self, step: &CacheStep, key: &Tensor<4>) {
+        let [_, n_kv_heads, new, head_dim] = key.dims();
         assert!(
             new == step.new
                 && n_kv_heads == step.owner.n_kv_heads
@@ -423,22 +459,31 @@ impl KvCache {
             step.new,
             step.owner
         );
+    }
+
+    /// Stores the step's keys and values after the cached ones, less what a window evicts;
+    /// with `read`, returns all of them (before the eviction) as floats of that type.
+    fn store_step(
+        &mut self,
+        step: CacheStep,
+        key: Tensor<4>,
+        value: Tensor<4>,
+        read: Option<DType>,
+    ) -> Option<(Tensor<4>, Tensor<4>)> {
+        let batch = key.dims()[0];
         if let UndoLog::On(_) = self.undo {
             self.undo = UndoLog::On(Some(Box::new(StepUndo::before(self))));
         }
-        let dtype = key.dtype();
-        let attended = self.attended_unless_stored_exactly(&key, &value, dtype);
         let (key, value) = self.stored_with(
-            Stored::new(key, self.storage),
-            Stored::new(value, self.storage),
+            Stored::new(key, self.storage, Side::Key),
+            Stored::new(value, self.storage, Side::Value),
         );
-        let (attended_key, attended_value) =
-            attended.unwrap_or_else(|| (key.read(dtype), value.read(dtype)));
+        let read = read.map(|dtype| (key.read(dtype), value.read(dtype)));
         self.seen += step.new;
         self.owner = Some(step.owner);
         self.batch = Some(batch);
         self.keep(key, value, step.padding);
-        (attended_key, attended_value)
+        read
     }
 
     /// What a step with new keys and values `key`, `value` in `dtype` attends to (the stored

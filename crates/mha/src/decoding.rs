@@ -2,7 +2,7 @@
 //! feeds only the new tokens, and cross-attention over a memory projected once
 //! ([`CrossAttentionCache`]). They share every stage with `forward`.
 
-use burn::tensor::Tensor;
+use burn::tensor::{Bool, Tensor};
 
 use crate::cache::{
     CacheError, CacheLimit, CacheStorage, CrossAttentionCache, KvCache, beyond_half_range,
@@ -10,6 +10,7 @@ use crate::cache::{
 use crate::input::{AttentionPath, MhaInput, MhaOutput, NeedWeights};
 use crate::mask::Visibility;
 use crate::module::{MultiHeadAttention, RopeStarts, Sequences};
+use crate::paged::{IN_PLACE_ROWS, StepHeads, native_cached_attention};
 use crate::shape::check_shape;
 
 impl MultiHeadAttention {
@@ -30,6 +31,9 @@ impl MultiHeadAttention {
     ///
     /// Feeding a sequence in any number of steps gives the outputs of one causal
     /// [`forward`](Self::forward) over the whole sequence.
+    ///
+    /// An f16 or int8 cache is read where it lies by a decoding step on flex and ndarray (see
+    /// [`CacheStorage::Int8`] for which steps); other steps attend to it widened to f32.
     ///
     /// `key_padding_mask` covers either the new keys (`[batch, new]`, remembered by the cache),
     /// cached plus new keys (`[batch, stored + new]`), or every position fed and the new ones
@@ -97,14 +101,26 @@ impl MultiHeadAttention {
             }
             (mask, _) => mask,
         };
+        let window = match (step.window, self.window) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        // What the in-place kernel computes: each new row over the cache and the new rows up
+        // to itself, nothing else hidden, nothing but the context asked for.
+        let in_place = InPlaceStep {
+            plain: path == AttentionPath::Auto
+                && need_weights == NeedWeights::No
+                && attn_mask.is_none()
+                && step.pinned_keys == 0
+                && (causal || geometry.seq_q == 1)
+                && geometry.seq_q <= IN_PLACE_ROWS,
+            window,
+        };
         let visibility = Visibility {
             key_padding: step.padding.clone(),
             attn_mask,
             causal,
-            window: match (step.window, self.window) {
-                (Some(a), Some(b)) => Some(a.min(b)),
-                (a, b) => a.or(b),
-            },
+            window,
             alibi: self.alibi,
             positions: step.positions,
             pinned_keys: step.pinned_keys,
@@ -125,9 +141,58 @@ impl MultiHeadAttention {
         {
             return Err(CacheError::BeyondHalfRange { largest });
         }
+        let padding = step.padding.as_ref();
+        if let Some(context) = self.attend_in_place(&query, &key, &value, cache, in_place, padding)
+        {
+            cache.store(step, key, value);
+            let context = self.output_projection(context);
+            return Ok(MhaOutput {
+                context,
+                weights: None,
+            });
+        }
         let (key, value) = cache.append(step, key, value);
         let (key, value) = self.append_extra_positions(key, value);
         Ok(self.attend(query, key, value, &plan))
+    }
+
+    /// The context heads of a step over a compressed (f16 or int8) `cache` read where it
+    /// lies, before the step's keys and values are stored: on flex and ndarray (f32, outside
+    /// autodiff, no appended key positions) for a [plain](InPlaceStep::plain) step whose
+    /// `padding` (`[batch, stored + new]`), if any, hides a run of stored positions at the
+    /// front of each batch element (left padding), where widening the cache to f32 would
+    /// write and read it again in 4 bytes an element. `None` elsewhere: the step then attends
+    /// to the widened cache.
+    fn attend_in_place(
+        &self,
+        query: &Tensor<4>,
+        key: &Tensor<4>,
+        value: &Tensor<4>,
+        cache: &KvCache,
+        step: InPlaceStep,
+        padding: Option<&Tensor<2, Bool>>,
+    ) -> Option<Tensor<4>> {
+        if !step.plain {
+            return None;
+        }
+        let buffers = cache.in_place_buffers()?;
+        let hidden = match padding {
+            Some(padding) => Some(left_padding(padding, cache.stored())?),
+            None => None,
+        };
+        let heads = StepHeads {
+            query: query.clone(),
+            key: key.clone(),
+            value: value.clone(),
+        };
+        native_cached_attention(
+            self,
+            heads,
+            buffers,
+            cache.stored(),
+            step.window,
+            hidden.as_deref(),
+        )
     }
 
     /// Projects an encoder's memory once for a decoder's cross-attention; reuse the result at
@@ -221,5 +286,132 @@ impl MultiHeadAttention {
         );
         let query = self.project_query(query, 0);
         self.attend(query, cache.key.clone(), cache.value.clone(), &plan)
+    }
+}
+
+/// How many positions `padding` (`[batch, keys]`, true where hidden) hides at the front of
+/// each batch element, where that is all it hides and only stored ones (the first `stored`):
+/// left padding. `None` for any other padding.
+fn left_padding(padding: &Tensor<2, Bool>, stored: usize) -> Option<Vec<usize>> {
+    let [batch, keys] = padding.dims();
+    let flags = padding.clone().into_data().try_to_vec::<bool>().ok()?;
+    (0..batch)
+        .map(|element| {
+            let row = &flags[element * keys..(element + 1) * keys];
+            let hidden = row.iter().take_while(|&&hidden| hidden).count();
+            (hidden <= stored && row[hidden..].iter().all(|&hidden| !hidden)).then_some(hidden)
+        })
+        .collect()
+}
+
+/// Whether a [`KvCache`] step may be computed by the in-place kernel, and its window.
+#[derive(Debug, Clone, Copy)]
+struct InPlaceStep {
+    /// `Auto` path, no weights, no attention mask, no pinned keys, causal (or one
+    /// new row), at most [`IN_PLACE_ROWS`] new rows (more go to the flash kernel's matrix
+    /// products, as a paged step's prompts do).
+    plain: bool,
+    /// The cache's and the module's window, the shorter.
+    window: Option<usize>,
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::tensor::{Device, Distribution, Tensor};
+
+    use super::*;
+    use crate::config::MultiHeadAttentionConfig;
+
+    /// The heads of a step of `new` tokens after `past` (RoPE at their positions).
+    fn step_heads(
+        module: &MultiHeadAttention,
+        past: usize,
+        new: usize,
+        device: &Device,
+    ) -> (Tensor<4>, Tensor<4>, Tensor<4>) {
+        let x = Tensor::<3>::random([1, new, 16], Distribution::Normal(0.0, 1.0), device);
+        let sequences = Sequences {
+            query: x.clone(),
+            key: x.clone(),
+            value: x,
+        };
+        let starts = RopeStarts {
+            query: past,
+            key: past,
+        };
+        module.project(sequences, true, starts)
+    }
+
+    /// What `forward_cached` asks of a plain step over a compressed cache is computed in place
+    /// (the integration tests hold its results to the widened cache's); float caches, empty
+    /// caches and steps that are not plain are left to the widened path.
+    #[test]
+    fn plain_steps_over_a_stored_compressed_cache_are_read_in_place() {
+        let device = Device::flex();
+        let module = MultiHeadAttentionConfig::new(16, 4)
+            .with_n_kv_heads(Some(2))
+            .init(&device);
+        let plain = InPlaceStep {
+            plain: true,
+            window: None,
+        };
+        for storage in [CacheStorage::Int8, CacheStorage::Half, CacheStorage::Float] {
+            let mut cache = KvCache::new().with_storage(storage);
+            let (query, key, value) = step_heads(&module, 0, 3, &device);
+            assert!(
+                module
+                    .attend_in_place(&query, &key, &value, &cache, plain, None)
+                    .is_none(),
+                "{storage:?}: an empty cache"
+            );
+            let prompt = Tensor::<3>::random([1, 3, 16], Distribution::Normal(0.0, 1.0), &device);
+            module
+                .forward_cached(MhaInput::self_attn(prompt).causal(), &mut cache)
+                .unwrap();
+            let (query, key, value) = step_heads(&module, 3, 1, &device);
+            let read = module.attend_in_place(&query, &key, &value, &cache, plain, None);
+            assert_eq!(
+                read.is_some(),
+                storage != CacheStorage::Float,
+                "{storage:?}: a plain step"
+            );
+            if let Some(context) = read {
+                assert_eq!(context.dims(), [1, 4, 1, 4]);
+            }
+            let masked = InPlaceStep {
+                plain: false,
+                ..plain
+            };
+            assert!(
+                module
+                    .attend_in_place(&query, &key, &value, &cache, masked, None)
+                    .is_none(),
+                "{storage:?}: a step that is not plain"
+            );
+        }
+    }
+
+    /// Left padding of stored positions is counted per batch element; padding after an
+    /// unhidden position, or of a new one, is not left padding.
+    #[test]
+    fn left_padding_counts_the_hidden_stored_positions_at_the_front() {
+        let device = Device::flex();
+        let mask = |flags: Vec<bool>, batch: usize| {
+            let keys = flags.len() / batch;
+            Tensor::<2, Bool>::from_data(
+                burn::tensor::TensorData::new(flags, [batch, keys]),
+                &device,
+            )
+        };
+        let (t, f) = (true, false);
+        let padding = mask(vec![t, t, f, f, f, f, f, f, t, f, f, f], 3);
+        assert_eq!(left_padding(&padding, 3), Some(vec![2, 0, 1]));
+        assert_eq!(
+            left_padding(&padding, 1),
+            None,
+            "a hidden position not stored"
+        );
+        assert_eq!(left_padding(&mask(vec![f, t, f, f], 1), 3), None);
+        assert_eq!(left_padding(&mask(vec![f, f, f, t], 1), 3), None);
     }
 }

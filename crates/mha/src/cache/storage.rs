@@ -10,17 +10,22 @@ pub enum CacheStorage {
     /// In the module's float type (the default).
     #[default]
     Float,
-    /// int8, with one f32 scale per position and head (`max |x| / 127`), dequantized for each
-    /// step's attention (on flex and ndarray in one pass with the step's rows): 1 + 4 /
-    /// head_dim bytes per element instead of 4 (3.76 times as many positions in the same memory
-    /// at a head width of 64). The step's own new keys are used unquantized.
+    /// int8, with one f32 scale per position and head (`max |x| / 127`): 1 + 4 / head_dim
+    /// bytes per element instead of 4 (3.76 times as many positions in the same memory at a
+    /// head width of 64). The step's own new keys are used unquantized.
+    ///
+    /// On flex and ndarray (an f32 module, outside autodiff) a decoding step of a `KvCache`
+    /// (at most 32 new rows, causal or one row; no attention mask; padding only at the front
+    /// of each batch element; no `add_bias_kv`/`add_zero_attn`; no pinned sinks; `Auto` path,
+    /// no weights) reads the i8 keys and values where they lie, converted as they are read;
+    /// other steps and backends dequantize the cache for the step (on flex and ndarray in one
+    /// pass with the step's rows). `PagedKvCache` reads its blocks in place likewise.
     Int8,
     /// f16 (IEEE half precision): half the bytes of f32, a relative rounding of at most
     /// 2^-11 per element. A step whose new keys or values reach beyond f16's range (±65504)
     /// is refused ([`CacheError::BeyondHalfRange`](super::CacheError::BeyondHalfRange)), not
-    /// stored as infinities. `KvCache` widens all of it to the module's type at every step
-    /// (in one pass with the step's rows on flex; slower than float storage, as int8 is);
-    /// `PagedKvCache` reads it in place on flex.
+    /// stored as infinities. Read in place where [`CacheStorage::Int8`] is (flex only),
+    /// widened to the module's type for the step elsewhere.
     /// Where the module's float type is f16 already, the same as [`CacheStorage::Float`].
     /// Backends without f16 tensors (ndarray) refuse it.
     Half,

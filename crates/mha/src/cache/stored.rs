@@ -9,16 +9,71 @@ use super::storage::{CacheStorage, Quantized, dequantize_int8, in_dtype, quantiz
 #[cfg(any(feature = "flex", feature = "ndarray"))]
 use super::widen;
 
-/// Stored keys or values, `[batch, heads, stored, dim]`.
+/// Stored keys or values, `[batch, heads, stored, dim]` (or, [`Layout::FeatureMajor`],
+/// `[batch, heads, dim, stored]`).
+#[derive(Debug, Clone)]
+pub(super) struct Stored {
+    data: StoredData,
+    layout: Layout,
+}
+
+/// How a [`Stored`]'s buffers lie: which axis holds the positions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Layout {
+    /// `[batch, heads, positions, dim]`: a position's features adjacent.
+    PositionMajor,
+    /// `[batch, heads, dim, positions]` (an int8 buffer's scales `[batch, heads, 1,
+    /// positions]`): a feature's positions adjacent, as the paged kernel reads keys (16
+    /// positions of a feature per vector), so that a decoding step reads a compressed cache's
+    /// keys in place (`paged::native_cached_attention`).
+    FeatureMajor,
+}
+
+impl Layout {
+    /// The layout of a side's positions in `storage`: a compressed cache's keys feature-major
+    /// (what the in-place decoding kernel reads), everything else position-major.
+    pub(super) fn of(side: Side, storage: CacheStorage) -> Self {
+        match (side, storage) {
+            (Side::Key, CacheStorage::Half | CacheStorage::Int8) => Self::FeatureMajor,
+            _ => Self::PositionMajor,
+        }
+    }
+
+    /// The axis of the positions.
+    fn axis(self) -> usize {
+        match self {
+            Self::PositionMajor => 2,
+            Self::FeatureMajor => 3,
+        }
+    }
+
+    /// `tensor` moved between `[batch, heads, positions, dim]` and this layout (either way:
+    /// feature-major is the transpose of the last two axes).
+    fn arranged<K: Basic>(self, tensor: Tensor<4, K>) -> Tensor<4, K> {
+        match self {
+            Self::PositionMajor => tensor,
+            Self::FeatureMajor => tensor.swap_dims(2, 3),
+        }
+    }
+}
+
+/// Whether a [`Stored`] holds keys or values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Side {
+    Key,
+    Value,
+}
+
+/// A [`Stored`]'s buffers in its [`Layout`].
 #[derive(Debug, Clone)]
 // The int8 variant holds two tensors; the enum lives in a cache, two per layer, never in bulk.
 #[allow(clippy::large_enum_variant)]
-pub(super) enum Stored {
-    /// Positions `0..len` of `buffer`, whose axis 2 has room for more: appending writes into
-    /// the spare positions in place ([`appended`]).
+enum StoredData {
+    /// Positions `0..len` of `buffer`, whose positions axis has room for more: appending
+    /// writes into the spare positions in place ([`appended`]).
     Float { buffer: Tensor<4>, len: usize },
-    /// Positions `0..len` of values in i8 and of one scale per position and head (`[batch,
-    /// heads, stored, 1]`), both with room for more, appended to in place as `Float` is.
+    /// Positions `0..len` of values in i8 and of one scale per position and head, both with
+    /// room for more, appended to in place as `Float` is.
     Int8 {
         values: Tensor<4, Int>,
         scales: Tensor<4>,
@@ -26,49 +81,100 @@ pub(super) enum Stored {
     },
 }
 
+/// A compressed [`Stored`]'s buffers as the in-place decoding kernel reads them: every
+/// position of the buffers' capacity (the first [`Stored::len`] hold the cache's), keys
+/// feature-major.
+pub(crate) enum CompressedBuffers<'a> {
+    /// f16 buffer.
+    Half(&'a Tensor<4>),
+    /// i8 buffer and its f32 scales.
+    Int8 {
+        values: &'a Tensor<4, Int>,
+        scales: &'a Tensor<4>,
+    },
+}
+
 impl Stored {
-    pub(super) fn new(tensor: Tensor<4>, storage: CacheStorage) -> Self {
-        match storage {
-            CacheStorage::Float => Self::Float {
-                len: tensor.dims()[2],
+    /// `tensor` (`[batch, heads, positions, dim]`) stored as `storage` says, in the layout of
+    /// `side` ([`Layout::of`]).
+    pub(super) fn new(tensor: Tensor<4>, storage: CacheStorage, side: Side) -> Self {
+        let layout = Layout::of(side, storage);
+        let len = tensor.dims()[2];
+        let data = match storage {
+            CacheStorage::Float => StoredData::Float {
                 buffer: tensor,
+                len,
             },
             CacheStorage::Int8 => {
+                // One scale per position, over its features, before the transpose.
                 let Quantized { values, scales } = quantize_int8(tensor);
-                Self::Int8 {
-                    len: scales.dims()[2],
-                    values,
-                    scales,
+                StoredData::Int8 {
+                    values: layout.arranged(values),
+                    scales: layout.arranged(scales),
+                    len,
                 }
             }
-            CacheStorage::Half => Self::Float {
-                len: tensor.dims()[2],
-                buffer: in_dtype(tensor, DType::F16),
+            CacheStorage::Half => StoredData::Float {
+                buffer: layout.arranged(in_dtype(tensor, DType::F16)),
+                len,
             },
-        }
+        };
+        Self { data, layout }
     }
 
     pub(super) fn len(&self) -> usize {
-        match self {
-            Self::Float { len, .. } | Self::Int8 { len, .. } => *len,
+        match &self.data {
+            StoredData::Float { len, .. } | StoredData::Int8 { len, .. } => *len,
         }
+    }
+
+    pub(crate) fn layout(&self) -> Layout {
+        self.layout
     }
 
     /// Whether the positions are stored as floats of `dtype` (what [`Stored::read`] returns
     /// without a conversion).
     pub(super) fn is_float_in(&self, dtype: DType) -> bool {
-        matches!(self, Self::Float { buffer, .. } if buffer.dtype() == dtype)
+        matches!(&self.data, StoredData::Float { buffer, .. } if buffer.dtype() == dtype)
+    }
+
+    /// The f16 or int8 buffers, whole (spare positions included); `None` for f32 storage.
+    pub(crate) fn compressed(&self) -> Option<CompressedBuffers<'_>> {
+        match &self.data {
+            StoredData::Float { buffer, .. } if buffer.dtype() == DType::F16 => {
+                Some(CompressedBuffers::Half(buffer))
+            }
+            StoredData::Float { .. } => None,
+            StoredData::Int8 { values, scales, .. } => {
+                Some(CompressedBuffers::Int8 { values, scales })
+            }
+        }
+    }
+
+    /// Positions `0..len` of `buffer` (in this layout) as `[batch, heads, len, dim]`.
+    fn positions<K: Basic>(&self, buffer: &Tensor<4, K>, len: usize) -> Tensor<4, K> {
+        let axis = self.layout.axis();
+        let part = if buffer.dims()[axis] == len {
+            buffer.clone()
+        } else {
+            buffer.clone().narrow(axis, 0, len)
+        };
+        self.layout.arranged(part)
     }
 
     /// The stored positions as floats, in `dtype`.
     pub(super) fn read(&self, dtype: DType) -> Tensor<4> {
-        match self {
-            Self::Float { buffer, len } => in_dtype(stored_part(buffer, *len), dtype),
-            Self::Int8 {
+        match &self.data {
+            StoredData::Float { buffer, len } => in_dtype(self.positions(buffer, *len), dtype),
+            StoredData::Int8 {
                 values,
                 scales,
                 len,
-            } => dequantize_int8(stored_part(values, *len), stored_part(scales, *len), dtype),
+            } => dequantize_int8(
+                self.positions(values, *len),
+                self.positions(scales, *len),
+                dtype,
+            ),
         }
     }
 
@@ -79,19 +185,19 @@ impl Stored {
         #[cfg(any(feature = "flex", feature = "ndarray"))]
         {
             let (half, int8_values, int8_scales);
-            let compressed = match self {
-                Self::Float { buffer, len } if buffer.dtype() == DType::F16 => {
-                    half = stored_part(buffer, *len);
+            let compressed = match &self.data {
+                StoredData::Float { buffer, len } if buffer.dtype() == DType::F16 => {
+                    half = self.positions(buffer, *len);
                     Some(widen::Compressed::Half(&half))
                 }
-                Self::Float { .. } => None,
-                Self::Int8 {
+                StoredData::Float { .. } => None,
+                StoredData::Int8 {
                     values,
                     scales,
                     len,
                 } => {
                     (int8_values, int8_scales) =
-                        (stored_part(values, *len), stored_part(scales, *len));
+                        (self.positions(values, *len), self.positions(scales, *len));
                     Some(widen::Compressed::Int8 {
                         values: &int8_values,
                         scales: &int8_scales,
@@ -109,45 +215,56 @@ impl Stored {
 
     /// These positions, then `other`'s ([`appended`]).
     pub(super) fn cat(self, other: Self, max_positions: usize) -> Self {
-        match (self, other) {
+        assert_eq!(self.layout, other.layout, "one side has one layout");
+        let (layout, axis) = (self.layout, self.layout.axis());
+        let data = match (self.data, other.data) {
             (
-                Self::Float { buffer, len },
-                Self::Float {
+                StoredData::Float { buffer, len },
+                StoredData::Float {
                     buffer: new,
                     len: new_len,
                 },
-            ) => Self::Float {
-                buffer: appended(buffer, len, stored_part(&new, new_len), max_positions),
+            ) => StoredData::Float {
+                buffer: appended(
+                    buffer,
+                    len,
+                    stored_part(&new, axis, new_len),
+                    axis,
+                    max_positions,
+                ),
                 len: len + new_len,
             },
             (
-                Self::Int8 {
+                StoredData::Int8 {
                     values,
                     scales,
                     len,
                 },
-                Self::Int8 {
+                StoredData::Int8 {
                     values: new_values,
                     scales: new_scales,
                     len: new_len,
                 },
-            ) => Self::Int8 {
+            ) => StoredData::Int8 {
                 values: appended(
                     values,
                     len,
-                    stored_part(&new_values, new_len),
+                    stored_part(&new_values, axis, new_len),
+                    axis,
                     max_positions,
                 ),
                 scales: appended(
                     scales,
                     len,
-                    stored_part(&new_scales, new_len),
+                    stored_part(&new_scales, axis, new_len),
+                    axis,
                     max_positions,
                 ),
                 len: len + new_len,
             },
             _ => unreachable!("one cache has one storage"),
-        }
+        };
+        Self { data, layout }
     }
 
     /// The first `len` positions (positions past them stay in the buffer as spare room).
@@ -157,54 +274,58 @@ impl Stored {
             "Stored::truncated: {len} > {}",
             self.len()
         );
-        match self {
-            Self::Float { buffer, .. } => Self::Float { buffer, len },
-            Self::Int8 { values, scales, .. } => Self::Int8 {
+        let data = match self.data {
+            StoredData::Float { buffer, .. } => StoredData::Float { buffer, len },
+            StoredData::Int8 { values, scales, .. } => StoredData::Int8 {
                 values,
                 scales,
                 len,
             },
-        }
+        };
+        Self { data, ..self }
     }
 
     /// Positions `ranges` (in order), concatenated.
     pub(super) fn select(self, ranges: &[(usize, usize)]) -> Self {
         let kept = ranges.iter().map(|&(_, len)| len).sum();
-        match self {
-            Self::Float { buffer, .. } => Self::Float {
-                buffer: picked(&buffer, 2, ranges),
+        let axis = self.layout.axis();
+        let data = match self.data {
+            StoredData::Float { buffer, .. } => StoredData::Float {
+                buffer: picked(&buffer, axis, ranges),
                 len: kept,
             },
-            Self::Int8 { values, scales, .. } => Self::Int8 {
-                values: picked(&values, 2, ranges),
-                scales: picked(&scales, 2, ranges),
+            StoredData::Int8 { values, scales, .. } => StoredData::Int8 {
+                values: picked(&values, axis, ranges),
+                scales: picked(&scales, axis, ranges),
                 len: kept,
             },
-        }
+        };
+        Self { data, ..self }
     }
 
     /// Bytes the stored tensors take.
     pub(super) fn bytes(&self) -> usize {
         let size = |dims: [usize; 4], dtype: DType| dims.iter().product::<usize>() * dtype.size();
-        match self {
-            Self::Float { buffer, .. } => size(buffer.dims(), buffer.dtype()),
-            Self::Int8 { values, scales, .. } => {
+        match &self.data {
+            StoredData::Float { buffer, .. } => size(buffer.dims(), buffer.dtype()),
+            StoredData::Int8 { values, scales, .. } => {
                 size(values.dims(), values.dtype()) + size(scales.dims(), scales.dtype())
             }
         }
     }
 }
 
-/// Positions `0..len` of a buffer with room for more (the whole buffer when it has none).
-fn stored_part<K: Basic>(buffer: &Tensor<4, K>, len: usize) -> Tensor<4, K> {
-    if buffer.dims()[2] == len {
+/// Positions `0..len` along `axis` of a buffer with room for more (the whole buffer when it
+/// has none).
+fn stored_part<K: Basic>(buffer: &Tensor<4, K>, axis: usize, len: usize) -> Tensor<4, K> {
+    if buffer.dims()[axis] == len {
         buffer.clone()
     } else {
-        buffer.clone().narrow(2, 0, len)
+        buffer.clone().narrow(axis, 0, len)
     }
 }
 
-/// `buffer`'s positions `0..len`, then `new`'s, along axis 2: written into the buffer's spare
+/// `buffer`'s positions `0..len`, then `new`'s, along `axis`: written into the buffer's spare
 /// positions in place where they fit (a uniquely held buffer on flex), so that a decoding step
 /// copies only its own keys, not the whole cache; else into a new buffer with room for up to as
 /// many positions again, but never more than `max_positions` in all.
@@ -212,21 +333,24 @@ fn appended<K: Basic>(
     buffer: Tensor<4, K>,
     len: usize,
     new: Tensor<4, K>,
+    axis: usize,
     max_positions: usize,
 ) -> Tensor<4, K> {
-    let [batch, heads, capacity, dim] = buffer.dims();
-    let total = len + new.dims()[2];
+    let dims = buffer.dims();
+    let capacity = dims[axis];
+    let total = len + new.dims()[axis];
     if total <= capacity {
-        return buffer.slice_assign([0..batch, 0..heads, len..total, 0..dim], new);
+        let mut ranges = dims.map(|size| 0..size);
+        ranges[axis] = len..total;
+        return buffer.slice_assign(ranges, new);
     }
     let spare = (2 * capacity).min(max_positions).max(total) - total;
-    let mut parts = vec![buffer.narrow(2, 0, len), new];
+    let mut parts = vec![buffer.narrow(axis, 0, len), new];
     if spare > 0 {
-        let zeros = Tensor::zeros(
-            [batch, heads, spare, dim],
-            (&parts[0].device(), parts[0].dtype()),
-        );
+        let mut shape = dims;
+        shape[axis] = spare;
+        let zeros = Tensor::zeros(shape, (&parts[0].device(), parts[0].dtype()));
         parts.push(zeros);
     }
-    Tensor::cat(parts, 2)
+    Tensor::cat(parts, axis)
 }

@@ -69,8 +69,10 @@ macro_rules! native_cache_widen_backend {
                 let stored = Self::half_heads_view(&stored).expect("a readable layout");
                 then_rows::<Self>(stored.shape(), &rows, |past, index, dim| {
                     let head = stored.head(index);
+                    // A feature-major cache's keys (a transposed view) are read strided.
+                    let mut scratch = Vec::new();
                     for (position, out) in past.chunks_exact_mut(dim).enumerate() {
-                        simd::widen_half(out, &head.values[position * head.row_stride..][..dim]);
+                        simd::widen_half(out, head.row_or_copy(position, &mut scratch));
                     }
                 })
             }
@@ -91,8 +93,10 @@ macro_rules! native_cache_widen_backend {
                 );
                 then_rows::<Self>(values.shape(), &rows, |past, index, dim| {
                     let (head, scales) = (values.head(index), scales.head(index));
+                    // A feature-major cache's keys (a transposed view) are read strided.
+                    let mut scratch = Vec::new();
                     for (position, out) in past.chunks_exact_mut(dim).enumerate() {
-                        let row = &head.values[position * head.row_stride..][..dim];
+                        let row = head.row_or_copy(position, &mut scratch);
                         let scale = scales.values[position * scales.row_stride];
                         simd::dequantize_row(out, row, scale);
                     }

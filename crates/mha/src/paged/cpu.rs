@@ -15,13 +15,14 @@ use std::sync::Arc;
 
 use burn::backend::tensor::{FloatTensor, IntTensor};
 use burn::backend::{Backend, Dispatch, backend_extension};
-use burn::tensor::{DType, Tensor, f16};
+use burn::tensor::{DType, Int, Tensor, f16};
 use rayon::prelude::*;
 
 use super::cache::{PagedKvCache, SequenceStep};
 use super::step::StepHeads;
 use super::store::{BlockLayout, StoredBlocks};
 use crate::alibi::alibi_slopes;
+use crate::cache::CompressedBuffers;
 use crate::cpu::matrix::{HeadIndex, HeadsView, Matrix, transposed_copy};
 use crate::cpu::storage::{CpuStorage, native_storage};
 use crate::module::MultiHeadAttention;
@@ -41,6 +42,9 @@ pub(crate) struct PagedSequence {
     pub past: usize,
     /// The sequence's block table.
     pub blocks: Vec<usize>,
+    /// Positions before this one are hidden from every row (a [`KvCache`](crate::KvCache)
+    /// batch's left padding); 0 in a paged step.
+    pub hidden: usize,
 }
 
 /// What a paged attention call computes besides its tensors.
@@ -186,14 +190,6 @@ pub(crate) fn native_paged_attention(
     sequences: &[&SequenceStep],
     cache: &PagedKvCache,
 ) -> Option<Tensor<4>> {
-    let device = heads.query.device();
-    let native = native_storage(&device)
-        && !device.is_autodiff()
-        && heads.query.dtype() == DType::F32
-        && module.extra_keys() == 0;
-    if !native {
-        return None;
-    }
     let (key_store, value_store) = cache.stores()?;
     assert!(
         key_store.layout() == BlockLayout::FeatureMajor
@@ -206,42 +202,13 @@ pub(crate) fn native_paged_attention(
             rows: sequence.rows.clone(),
             past: sequence.past,
             blocks: sequence.table.blocks.clone(),
+            hidden: 0,
         })
         .collect();
-    let sinks = module
-        .softmax_options(&device)
-        .sinks
-        .map(|sinks| sinks.into_data().try_into_vec_as::<f32>())
-        .transpose()
-        .ok()?;
-    let params = PagedParams {
-        sequences,
-        scale: module.scale as f32,
-        softcap: module.softcap.map(|cap| cap as f32),
-        alibi: module.alibi.then(|| {
-            alibi_slopes(module.n_heads)
-                .into_iter()
-                .map(|slope| slope as f32)
-                .collect()
-        }),
-        window: module.window,
-        sinks: sinks.map(Arc::from),
-    };
-    let (query, new_key, new_value) = (
-        heads.query.clone().into_dispatch(),
-        heads.key.clone().into_dispatch(),
-        heads.value.clone().into_dispatch(),
-    );
-    let output = match (key_store.stored(), value_store.stored()) {
+    let params = kernel_params(module, &heads.query, sequences, module.window)?;
+    let pool = match (key_store.stored(), value_store.stored()) {
         (StoredBlocks::Float(keys), StoredBlocks::Float(values)) => {
-            <Dispatch as PagedAttentionBackend>::paged_attention(
-                query,
-                keys.clone().into_dispatch(),
-                values.clone().into_dispatch(),
-                new_key,
-                new_value,
-                params,
-            )
+            PoolRefs::Float { keys, values }
         }
         (
             StoredBlocks::Int8 {
@@ -252,7 +219,176 @@ pub(crate) fn native_paged_attention(
                 values,
                 scales: value_scales,
             },
-        ) if key_scales.dtype() == DType::F32 && value_scales.dtype() == DType::F32 => {
+        ) => PoolRefs::Int8 {
+            keys,
+            key_scales,
+            values,
+            value_scales,
+        },
+        _ => return None,
+    };
+    let new = StepHeads {
+        query: heads.query.clone(),
+        key: heads.key.clone(),
+        value: heads.value.clone(),
+    };
+    run_kernel(pool, new, params)
+}
+
+/// The context heads `[batch, n_heads, new, head_dim]` of a decoding step over a compressed
+/// [`KvCache`](crate::KvCache) read in place: each batch element is a sequence whose one block
+/// is its whole buffer (keys feature-major, `[batch, n_kv_heads, head_dim, capacity]`; values
+/// `[batch, n_kv_heads, capacity, head_dim]`), `past` positions stored, its `new` rows causal
+/// among themselves, the first `hidden[element]` positions hidden (left padding; none without
+/// `hidden`), `window` as the cache and module combine it. `None` where the native kernel does
+/// not take the step (as [`native_paged_attention`]).
+///
+/// `new` holds the query heads `[batch, n_heads, new, head_dim]` and the new key and value
+/// heads `[batch, n_kv_heads, new, head_dim]`.
+///
+/// # Panics
+///
+/// If `hidden` does not have a count per batch element.
+pub(crate) fn native_cached_attention(
+    module: &MultiHeadAttention,
+    new: StepHeads,
+    stored: [CompressedBuffers; 2],
+    past: usize,
+    window: Option<usize>,
+    hidden: Option<&[usize]>,
+) -> Option<Tensor<4>> {
+    let [batch, n_heads, rows, head_dim] = new.query.dims();
+    assert!(
+        hidden.is_none_or(|hidden| hidden.len() == batch),
+        "cached attention: {hidden:?} hidden positions for a batch of {batch}"
+    );
+    let sequences = (0..batch)
+        .map(|element| PagedSequence {
+            rows: element * rows..(element + 1) * rows,
+            past,
+            blocks: vec![element],
+            hidden: hidden.map_or(0, |hidden| hidden[element]),
+        })
+        .collect();
+    let params = kernel_params(module, &new.query, sequences, window)?;
+    let pool = match stored {
+        [
+            CompressedBuffers::Half(keys),
+            CompressedBuffers::Half(values),
+        ] => PoolRefs::Float { keys, values },
+        [
+            CompressedBuffers::Int8 {
+                values: keys,
+                scales: key_scales,
+            },
+            CompressedBuffers::Int8 {
+                values,
+                scales: value_scales,
+            },
+        ] => PoolRefs::Int8 {
+            keys,
+            key_scales,
+            values,
+            value_scales,
+        },
+        _ => return None,
+    };
+    // The batch's rows one after the other, as a paged step's are.
+    let rows_of = |heads: Tensor<4>| {
+        let [batch, heads_count, rows, dim] = heads.dims();
+        heads
+            .swap_dims(0, 1)
+            .reshape([1, heads_count, batch * rows, dim])
+    };
+    let new = StepHeads {
+        query: rows_of(new.query),
+        key: rows_of(new.key),
+        value: rows_of(new.value),
+    };
+    let output = run_kernel(pool, new, params)?;
+    Some(
+        output
+            .reshape([n_heads, batch, rows, head_dim])
+            .swap_dims(0, 1),
+    )
+}
+
+/// A call's parameters for `module`'s attention over `sequences`; `None` where the native
+/// kernel does not run (another device, autodiff, not f32, appended key positions).
+fn kernel_params(
+    module: &MultiHeadAttention,
+    query: &Tensor<4>,
+    sequences: Arc<[PagedSequence]>,
+    window: Option<usize>,
+) -> Option<PagedParams> {
+    let device = query.device();
+    let native = native_storage(&device)
+        && !device.is_autodiff()
+        && query.dtype() == DType::F32
+        && module.extra_keys() == 0;
+    if !native {
+        return None;
+    }
+    let sinks = module
+        .softmax_options(&device)
+        .sinks
+        .map(|sinks| sinks.into_data().try_into_vec_as::<f32>())
+        .transpose()
+        .ok()?;
+    Some(PagedParams {
+        sequences,
+        scale: module.scale as f32,
+        softcap: module.softcap.map(|cap| cap as f32),
+        alibi: module.alibi.then(|| {
+            alibi_slopes(module.n_heads)
+                .into_iter()
+                .map(|slope| slope as f32)
+                .collect()
+        }),
+        window,
+        sinks: sinks.map(Arc::from),
+    })
+}
+
+/// The blocks a call reads, as tensors.
+enum PoolRefs<'a> {
+    /// f32 or f16 blocks.
+    Float {
+        keys: &'a Tensor<4>,
+        values: &'a Tensor<4>,
+    },
+    Int8 {
+        keys: &'a Tensor<4, Int>,
+        key_scales: &'a Tensor<4>,
+        values: &'a Tensor<4, Int>,
+        value_scales: &'a Tensor<4>,
+    },
+}
+
+/// The kernel on `pool` and the step's rows `new` (`[1, heads, rows, head_dim]` each);
+/// `None` for int8 scales that are not f32.
+fn run_kernel(pool: PoolRefs, new: StepHeads, params: PagedParams) -> Option<Tensor<4>> {
+    let StepHeads { query, key, value } = new;
+    let (query, new_key, new_value) = (
+        query.into_dispatch(),
+        key.into_dispatch(),
+        value.into_dispatch(),
+    );
+    let output = match pool {
+        PoolRefs::Float { keys, values } => <Dispatch as PagedAttentionBackend>::paged_attention(
+            query,
+            keys.clone().into_dispatch(),
+            values.clone().into_dispatch(),
+            new_key,
+            new_value,
+            params,
+        ),
+        PoolRefs::Int8 {
+            keys,
+            key_scales,
+            values,
+            value_scales,
+        } if key_scales.dtype() == DType::F32 && value_scales.dtype() == DType::F32 => {
             <Dispatch as PagedAttentionBackend>::paged_attention_int8(
                 query,
                 keys.clone().into_dispatch(),
@@ -264,7 +400,7 @@ pub(crate) fn native_paged_attention(
                 params,
             )
         }
-        _ => return None,
+        PoolRefs::Int8 { .. } => return None,
     };
     Some(Tensor::from_dispatch(output))
 }

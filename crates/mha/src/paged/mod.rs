@@ -23,6 +23,9 @@ mod prefix;
 mod step;
 mod store;
 
+pub(crate) use cpu::native_cached_attention;
+pub(crate) use step::{IN_PLACE_ROWS, StepHeads};
+
 pub use cache::{PagedCacheError, PagedKvCache, PagedKvCacheConfig, PromptMatch, SequenceId};
 pub use prefix::Token;
 
@@ -65,6 +68,17 @@ mod cpu {
         _: &StepHeads,
         _: &[&SequenceStep],
         _: &PagedKvCache,
+    ) -> Option<Tensor<4>> {
+        None
+    }
+
+    pub(crate) fn native_cached_attention(
+        _: &MultiHeadAttention,
+        _: StepHeads,
+        _: [crate::cache::CompressedBuffers; 2],
+        _: usize,
+        _: Option<usize>,
+        _: Option<&[usize]>,
     ) -> Option<Tensor<4>> {
         None
     }

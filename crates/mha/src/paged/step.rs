@@ -190,7 +190,7 @@ impl MultiHeadAttention {
 /// one sequence, d_model 512, 8 query / 2 key/value heads): 32 rows over 64-4096 stored
 /// positions took 0.6-1.0x the gathered path's time, 64 rows 0.8-1.35x, 128 rows 1.1-1.2x and
 /// 512 rows 1.7x.
-const IN_PLACE_ROWS: usize = 32;
+pub(crate) const IN_PLACE_ROWS: usize = 32;
 
 /// `sequences` (one id per row) as runs of consecutive rows, one per sequence.
 ///

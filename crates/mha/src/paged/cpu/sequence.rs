@@ -29,40 +29,50 @@ enum ChunkSource {
     New { row: usize },
 }
 
+/// Positions a tile holds at most: a paged pool's block (16 by default) is one tile; a
+/// [`KvCache`](crate::KvCache)'s buffer, which the kernel reads as one block per sequence, is
+/// read in tiles of this many positions, so that the prefetch ahead ([`PREFETCH_BYTES`])
+/// follows the sequence tile by tile.
+const MAX_TILE_POSITIONS: usize = 64;
+
+/// The positions of a tile of blocks of `block_size`.
+fn tile_positions(block_size: usize) -> usize {
+    block_size.clamp(1, MAX_TILE_POSITIONS)
+}
+
 /// The chunks rows of `sequence` that see positions `visible` read, in order: its stored
-/// positions block by block, then the step's new ones, `block_size` at a time.
+/// positions block by block (in tiles of at most [`MAX_TILE_POSITIONS`]), then the step's new
+/// ones, a tile at a time.
 fn chunks(
     sequence: &PagedSequence,
     block_size: usize,
     visible: Range<usize>,
 ) -> impl Iterator<Item = Chunk> + '_ {
+    let tile = tile_positions(block_size);
     let stored = visible.start..visible.end.min(sequence.past);
     let blocks = if stored.is_empty() {
         0..0
     } else {
         stored.start / block_size..stored.end.div_ceil(block_size)
     };
-    let stored_chunks = blocks.map(move |index| {
+    let stored_chunks = blocks.flat_map(move |index| {
         let first = (index * block_size).max(stored.start);
         let end = ((index + 1) * block_size).min(stored.end);
-        Chunk {
-            positions: first..end,
+        (first..end).step_by(tile).map(move |start| Chunk {
+            positions: start..(start + tile).min(end),
             source: ChunkSource::Stored {
                 index,
-                offset: first - index * block_size,
+                offset: start - index * block_size,
             },
-        }
+        })
     });
     let new = visible.start.max(sequence.past)..visible.end;
-    let new_chunks = new
-        .clone()
-        .step_by(block_size.max(1))
-        .map(move |first| Chunk {
-            positions: first..(first + block_size).min(new.end),
-            source: ChunkSource::New {
-                row: sequence.rows.start + first - sequence.past,
-            },
-        });
+    let new_chunks = new.clone().step_by(tile).map(move |first| Chunk {
+        positions: first..(first + tile).min(new.end),
+        source: ChunkSource::New {
+            row: sequence.rows.start + first - sequence.past,
+        },
+    });
     stored_chunks.chain(new_chunks)
 }
 
@@ -249,7 +259,8 @@ pub(super) fn sequence_output(
         sequence.rows
     );
     let group = n_heads / n_kv_heads;
-    let distance = prefetch_distance(block_size * 2 * head_dim * views.pool.element_bytes());
+    let distance =
+        prefetch_distance(tile_positions(block_size) * 2 * head_dim * views.pool.element_bytes());
     let mut rows = RowStates::new(views, params, sequence, rows, (n_heads, head_dim));
     // Every row sees a span of positions that starts no earlier and ends later than the row
     // before's.
@@ -336,7 +347,7 @@ impl RowStates {
                 let first = params
                     .window
                     .map_or(0, |window| (position + 1).saturating_sub(window));
-                first..position + 1
+                first.max(sequence.hidden).min(position)..position + 1
             })
             .collect();
         let mut queries = vec![0.0f32; rows.len() * width];
