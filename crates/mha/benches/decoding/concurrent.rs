@@ -6,9 +6,8 @@
 //! measured on every core (the steps run on rayon's threads).
 //!
 //! Each table row is one storage of the caches too: f32, f16 or int8 (`--storage
-//! float,half,int8`), which the paged step reads as stored and `KvCache` converts into f32
-//! each step: its byte counts add that pass (the stored bytes read, the f32 copy written)
-//! and the kernel reading the copy.
+//! float,half,int8`), which every way's decoding step reads as stored (on flex: the paged
+//! kernel, which a compressed `KvCache`'s decoding steps run too).
 //!
 //! `--layers N` stacks N attention layers, each with its own weights and caches, a round feeding
 //! each layer's output to the next as a model's decoding step does: with one layer the
@@ -136,18 +135,14 @@ fn cell(
     };
     // Every layer's weights and cached positions.
     let depth = layers.len();
-    let (position_bytes, float_position_bytes) =
-        (depth * position_bytes, depth * float_position_bytes);
+    let position_bytes = depth * position_bytes;
     let weight_bytes = depth
         * 4
         * (2 * sizes.d_model * sizes.d_model + 2 * sizes.d_model * sizes.kv_heads * sizes.head_dim);
-    // What a `KvCache` step moves for `held` positions of which the kernel attends over
-    // `stored`: f32 read in place; f16 and int8 read whole, widened into an f32 copy (written),
-    // which the kernel reads (padding skipped).
-    let widened_bytes = |held: usize, stored: usize| match storage {
-        CacheStorage::Float => stored * position_bytes,
-        _ => held * (position_bytes + float_position_bytes) + stored * float_position_bytes,
-    };
+    // Every way reads the stored positions where they lie, in their storage (a padded batch's
+    // padding skipped: the flash kernel and the in-place kernel start each row at its first
+    // unpadded key).
+    let cache_bytes = stored * position_bytes;
     let mut rounds: Vec<WayRounds> = runs
         .ways
         .iter()
@@ -155,20 +150,19 @@ fn cell(
             Way::Paged => WayRounds {
                 way,
                 round: paged_round(layers, (&lengths, storage), runs.rounds, sizes, device),
-                bytes: stored * position_bytes + weight_bytes,
+                bytes: cache_bytes + weight_bytes,
             },
-            // The flash kernel skips each row's padding (keys outside its unpadded span),
-            // so in f32 the padded batch reads what the paged step reads, though it holds
-            // `count · longest` positions (which f16 and int8 widen whole).
+            // The padded batch reads what the paged step reads, though it holds `count ·
+            // longest` positions.
             Way::Padded => WayRounds {
                 way,
                 round: padded_round(layers, (&lengths, storage), sizes, device),
-                bytes: widened_bytes(count * longest, stored) + weight_bytes,
+                bytes: cache_bytes + weight_bytes,
             },
             Way::Single => WayRounds {
                 way,
                 round: one_at_a_time_round(layers, (&lengths, storage), sizes, device),
-                bytes: widened_bytes(stored, stored) + count * weight_bytes,
+                bytes: cache_bytes + count * weight_bytes,
             },
         })
         .collect();
