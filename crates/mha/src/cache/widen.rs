@@ -69,10 +69,8 @@ macro_rules! native_cache_widen_backend {
                 let stored = Self::half_heads_view(&stored).expect("a readable layout");
                 then_rows::<Self>(stored.shape(), &rows, |past, index, dim| {
                     let head = stored.head(index);
-                    // A feature-major cache's keys (a transposed view) are read strided.
-                    let mut scratch = Vec::new();
                     for (position, out) in past.chunks_exact_mut(dim).enumerate() {
-                        simd::widen_half(out, head.row_or_copy(position, &mut scratch));
+                        simd::widen_half(out, &head.values[position * head.row_stride..][..dim]);
                     }
                 })
             }
@@ -93,10 +91,8 @@ macro_rules! native_cache_widen_backend {
                 );
                 then_rows::<Self>(values.shape(), &rows, |past, index, dim| {
                     let (head, scales) = (values.head(index), scales.head(index));
-                    // A feature-major cache's keys (a transposed view) are read strided.
-                    let mut scratch = Vec::new();
                     for (position, out) in past.chunks_exact_mut(dim).enumerate() {
-                        let row = head.row_or_copy(position, &mut scratch);
+                        let row = &head.values[position * head.row_stride..][..dim];
                         let scale = scales.values[position * scales.row_stride];
                         simd::dequantize_row(out, row, scale);
                     }
@@ -218,6 +214,28 @@ mod tests {
         (buffer, rows.swap_dims(1, 2))
     }
 
+    /// The layouts a cache stores positions in: position-major, and feature-major (a
+    /// compressed cache's keys), read through a transposed view, which the readable copy
+    /// makes contiguous.
+    const LAYOUTS: [&str; 2] = ["position-major", "feature-major"];
+
+    /// `buffer` (`[batch, heads, positions, dim]`) as a cache in `layout` holds it, viewed as
+    /// `[batch, heads, positions, dim]`.
+    fn stored_in<K: burn::tensor::kind::Basic>(buffer: Tensor<4, K>, layout: &str) -> Tensor<4, K> {
+        match layout {
+            "feature-major" => {
+                let [batch, heads, positions, dim] = buffer.dims();
+                // A reshape of the transposed view copies it into feature-major memory.
+                buffer
+                    .swap_dims(2, 3)
+                    .reshape([batch * heads, dim, positions])
+                    .reshape([batch, heads, dim, positions])
+                    .swap_dims(2, 3)
+            }
+            _ => buffer,
+        }
+    }
+
     fn assert_same(actual: Tensor<4>, expected: Tensor<4>, what: &str) {
         assert_eq!(actual.dims(), expected.dims(), "{what}");
         let (actual, expected) = (actual.into_data(), expected.into_data());
@@ -241,13 +259,20 @@ mod tests {
     #[test]
     fn half_positions_then_rows_equal_the_tensor_ops() {
         let device = Device::flex();
-        for shape in [[2, 3, 5, 4], [2, 2, 2048, 128], [1, 1, 1, 8]] {
-            let (buffer, rows) = buffer_and_rows(shape, 2, &device);
-            let stored = buffer.cast(DType::F16).narrow(2, 0, shape[2]);
-            let actual = widened_then_rows(Compressed::Half(&stored), &rows)
-                .expect("flex widens f16 positions");
-            let expected = Tensor::cat(vec![stored.clone().cast(DType::F32), rows], 2);
-            assert_same(actual, expected, &format!("f16 {shape:?}"));
+        for shape in [
+            [2, 3, 5, 4],
+            [2, 2, 2048, 128],
+            [1, 1, 1, 8],
+            [1, 2, 37, 16],
+        ] {
+            for layout in LAYOUTS {
+                let (buffer, rows) = buffer_and_rows(shape, 2, &device);
+                let stored = stored_in(buffer.cast(DType::F16), layout).narrow(2, 0, shape[2]);
+                let actual = widened_then_rows(Compressed::Half(&stored), &rows)
+                    .expect("flex widens f16 positions");
+                let expected = Tensor::cat(vec![stored.clone().cast(DType::F32), rows], 2);
+                assert_same(actual, expected, &format!("f16 {shape:?} {layout}"));
+            }
         }
     }
 
@@ -259,12 +284,15 @@ mod tests {
         #[allow(deprecated)]
         let devices = [Device::flex(), Device::ndarray()];
         for device in devices {
-            for shape in [[2, 3, 5, 4], [2, 2, 2048, 128]] {
+            for (shape, layout) in [[2, 3, 5, 4], [2, 2, 2048, 128], [1, 2, 37, 16]]
+                .into_iter()
+                .flat_map(|shape| LAYOUTS.map(|layout| (shape, layout)))
+            {
                 let (buffer, rows) = buffer_and_rows(shape, 3, &device);
                 let quantized = quantize_int8(buffer);
                 let (values, scales) = (
-                    quantized.values.narrow(2, 0, shape[2]),
-                    quantized.scales.narrow(2, 0, shape[2]),
+                    stored_in(quantized.values, layout).narrow(2, 0, shape[2]),
+                    stored_in(quantized.scales, layout).narrow(2, 0, shape[2]),
                 );
                 let stored = Compressed::Int8 {
                     values: &values,
@@ -273,7 +301,11 @@ mod tests {
                 let actual = widened_then_rows(stored, &rows).expect("the CPU backends widen int8");
                 let dequantized = dequantize_int8(values.clone(), scales.clone(), DType::F32);
                 let expected = Tensor::cat(vec![dequantized, rows], 2);
-                assert_same(actual, expected, &format!("int8 {shape:?} on {device:?}"));
+                assert_same(
+                    actual,
+                    expected,
+                    &format!("int8 {shape:?} {layout} on {device:?}"),
+                );
             }
         }
     }
