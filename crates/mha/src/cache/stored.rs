@@ -184,10 +184,11 @@ impl Stored {
     pub(super) fn read_then(&self, new: &Tensor<4>, dtype: DType) -> Tensor<4> {
         #[cfg(any(feature = "flex", feature = "ndarray"))]
         {
+            let axis = self.layout.axis();
             let (half, int8_values, int8_scales);
             let compressed = match &self.data {
                 StoredData::Float { buffer, len } if buffer.dtype() == DType::F16 => {
-                    half = self.positions(buffer, *len);
+                    half = stored_part(buffer, axis, *len);
                     Some(widen::Compressed::Half(&half))
                 }
                 StoredData::Float { .. } => None,
@@ -196,8 +197,10 @@ impl Stored {
                     scales,
                     len,
                 } => {
-                    (int8_values, int8_scales) =
-                        (self.positions(values, *len), self.positions(scales, *len));
+                    (int8_values, int8_scales) = (
+                        stored_part(values, axis, *len),
+                        stored_part(scales, axis, *len),
+                    );
                     Some(widen::Compressed::Int8 {
                         values: &int8_values,
                         scales: &int8_scales,
@@ -205,7 +208,7 @@ impl Stored {
                 }
             };
             if let Some(widened) =
-                compressed.and_then(|stored| widen::widened_then_rows(stored, new))
+                compressed.and_then(|stored| widen::widened_then_rows(stored, self.layout, new))
             {
                 return widened;
             }
