@@ -27,6 +27,19 @@ pub(crate) use stored::CompressedBuffers;
 use stored::{Layout, Side, Stored};
 use undo::{StepUndo, UndoLog};
 
+/// A compressed [`KvCache`]'s buffers as the in-place decoding kernel reads them
+/// ([`KvCache::in_place_buffers`]): every position of their capacity, of which the first
+/// `stored` are the cache's.
+pub(crate) struct CompressedCache<'a> {
+    /// Feature-major: `[batch, n_kv_heads, head_dim, capacity]` (an int8 cache's scales
+    /// `[batch, n_kv_heads, 1, capacity]`).
+    pub keys: CompressedBuffers<'a>,
+    /// `[batch, n_kv_heads, capacity, head_dim]` (scales `[batch, n_kv_heads, capacity, 1]`).
+    pub values: CompressedBuffers<'a>,
+    /// Positions the cache holds.
+    pub stored: usize,
+}
+
 /// How many key/value positions a [`KvCache`] keeps.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CacheLimit {
@@ -165,9 +178,10 @@ impl core::error::Error for CacheError {}
 /// ```
 #[derive(Debug, Clone)]
 pub struct KvCache {
-    /// `[batch, n_kv_heads, stored, head_dim]`.
+    /// `[batch, n_kv_heads, capacity, head_dim]` (a compressed cache's on flex and ndarray
+    /// feature-major, `[batch, n_kv_heads, head_dim, capacity]`: [`stored::Layout`]).
     key: Option<Stored>,
-    /// `[batch, n_kv_heads, stored, value_dim]`.
+    /// `[batch, n_kv_heads, capacity, value_dim]`.
     value: Option<Stored>,
     /// `[batch, stored]`, `true` = padding; `None` while no step gave a padding mask.
     padding: Option<Tensor<2, Bool>>,
@@ -436,15 +450,18 @@ impl KvCache {
         self.store_step(step, key, value, None);
     }
 
-    /// A compressed cache's buffers, keys then values (every position of their capacity, the
-    /// first [`stored`](Self::stored) the cache's; keys feature-major), which a decoding step
-    /// reads in place; `None` for float storage or an empty cache.
-    pub(crate) fn in_place_buffers(&self) -> Option<[CompressedBuffers<'_>; 2]> {
+    /// A compressed cache's buffers, which a decoding step reads in place; `None` for float
+    /// storage, keys stored position-major, or an empty cache.
+    pub(crate) fn in_place_buffers(&self) -> Option<CompressedCache<'_>> {
         let (key, value) = (self.key.as_ref()?, self.value.as_ref()?);
         if key.len() == 0 || key.layout() != Layout::FeatureMajor {
             return None;
         }
-        Some([key.compressed()?, value.compressed()?])
+        Some(CompressedCache {
+            keys: key.compressed()?,
+            values: value.compressed()?,
+            stored: key.len(),
+        })
     }
 
     /// Panics unless `key` holds `step`'s new tokens.

@@ -5,12 +5,13 @@
 use burn::tensor::{Bool, Tensor};
 
 use crate::cache::{
-    CacheError, CacheLimit, CacheStorage, CrossAttentionCache, KvCache, beyond_half_range,
+    CacheError, CacheLimit, CacheStep, CacheStorage, CrossAttentionCache, KvCache,
+    beyond_half_range,
 };
 use crate::input::{AttentionPath, MhaInput, MhaOutput, NeedWeights};
 use crate::mask::Visibility;
-use crate::module::{MultiHeadAttention, RopeStarts, Sequences};
-use crate::paged::{IN_PLACE_ROWS, StepHeads, native_cached_attention};
+use crate::module::{MultiHeadAttention, Plan, RopeStarts, Sequences};
+use crate::paged::{IN_PLACE_ROWS, StepHeads, native_cached_attention, native_kernel_runs};
 use crate::shape::check_shape;
 
 impl MultiHeadAttention {
@@ -101,10 +102,7 @@ impl MultiHeadAttention {
             }
             (mask, _) => mask,
         };
-        let window = match (step.window, self.window) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        };
+        let window = self.step_window(step.window);
         // What the in-place kernel computes: each new row over the cache and the new rows up
         // to itself, nothing else hidden, nothing but the context asked for.
         let in_place = InPlaceStep {
@@ -141,19 +139,42 @@ impl MultiHeadAttention {
         {
             return Err(CacheError::BeyondHalfRange { largest });
         }
-        let padding = step.padding.as_ref();
-        if let Some(context) = self.attend_in_place(&query, &key, &value, cache, in_place, padding)
-        {
-            cache.store(step, key, value);
-            let context = self.output_projection(context);
-            return Ok(MhaOutput {
-                context,
-                weights: None,
-            });
+        let heads = StepHeads { query, key, value };
+        Ok(self.attend_step(heads, cache, step, in_place, &plan))
+    }
+
+    /// The window a step's queries see: the cache's (a sliding window's) or the module's,
+    /// the shorter.
+    fn step_window(&self, cache_window: Option<usize>) -> Option<usize> {
+        match (cache_window, self.window) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
         }
+    }
+
+    /// The step's output: attending to `cache` in place where it can
+    /// ([`attend_in_place`](Self::attend_in_place)), then storing the step's keys and values;
+    /// else storing them and attending to the cache's positions as `plan` says.
+    fn attend_step(
+        &self,
+        heads: StepHeads,
+        cache: &mut KvCache,
+        step: CacheStep,
+        in_place: InPlaceStep,
+        plan: &Plan,
+    ) -> MhaOutput {
+        let padding = step.padding.as_ref();
+        if let Some(context) = self.attend_in_place(&heads, cache, in_place, padding) {
+            cache.store(step, heads.key, heads.value);
+            return MhaOutput {
+                context: self.output_projection(context),
+                weights: None,
+            };
+        }
+        let StepHeads { query, key, value } = heads;
         let (key, value) = cache.append(step, key, value);
         let (key, value) = self.append_extra_positions(key, value);
-        Ok(self.attend(query, key, value, &plan))
+        self.attend(query, key, value, plan)
     }
 
     /// The context heads of a step over a compressed (f16 or int8) `cache` read where it
@@ -165,34 +186,25 @@ impl MultiHeadAttention {
     /// to the widened cache.
     fn attend_in_place(
         &self,
-        query: &Tensor<4>,
-        key: &Tensor<4>,
-        value: &Tensor<4>,
+        heads: &StepHeads,
         cache: &KvCache,
         step: InPlaceStep,
         padding: Option<&Tensor<2, Bool>>,
     ) -> Option<Tensor<4>> {
-        if !step.plain {
+        if !(step.plain && native_kernel_runs(self, &heads.query)) {
             return None;
         }
         let buffers = cache.in_place_buffers()?;
         let hidden = match padding {
-            Some(padding) => Some(left_padding(padding, cache.stored())?),
+            Some(padding) => Some(left_padding(padding, buffers.stored)?),
             None => None,
         };
         let heads = StepHeads {
-            query: query.clone(),
-            key: key.clone(),
-            value: value.clone(),
+            query: heads.query.clone(),
+            key: heads.key.clone(),
+            value: heads.value.clone(),
         };
-        native_cached_attention(
-            self,
-            heads,
-            buffers,
-            cache.stored(),
-            step.window,
-            hidden.as_deref(),
-        )
+        native_cached_attention(self, heads, buffers, step.window, hidden.as_deref())
     }
 
     /// Projects an encoder's memory once for a decoder's cross-attention; reuse the result at
@@ -317,19 +329,19 @@ struct InPlaceStep {
 
 #[cfg(test)]
 mod tests {
-    use burn::tensor::{Device, Distribution, Tensor};
+    use burn::tensor::{Device, Distribution, Tensor, TensorData};
 
     use super::*;
     use crate::config::MultiHeadAttentionConfig;
 
-    /// The heads of a step of `new` tokens after `past` (RoPE at their positions).
+    /// The heads of a step of `new` tokens per batch element after `past` (RoPE at their
+    /// positions).
     fn step_heads(
         module: &MultiHeadAttention,
-        past: usize,
-        new: usize,
+        [batch, past, new]: [usize; 3],
         device: &Device,
-    ) -> (Tensor<4>, Tensor<4>, Tensor<4>) {
-        let x = Tensor::<3>::random([1, new, 16], Distribution::Normal(0.0, 1.0), device);
+    ) -> StepHeads {
+        let x = Tensor::<3>::random([batch, new, 16], Distribution::Normal(0.0, 1.0), device);
         let sequences = Sequences {
             query: x.clone(),
             key: x.clone(),
@@ -339,55 +351,85 @@ mod tests {
             query: past,
             key: past,
         };
-        module.project(sequences, true, starts)
+        let (query, key, value) = module.project(sequences, true, starts);
+        StepHeads { query, key, value }
     }
 
     /// What `forward_cached` asks of a plain step over a compressed cache is computed in place
-    /// (the integration tests hold its results to the widened cache's); float caches, empty
-    /// caches and steps that are not plain are left to the widened path.
+    /// for every option the kernel takes, a left-padded batch too (the integration tests hold
+    /// its results to the widened cache's); float caches, empty caches, steps that are not
+    /// plain, padding that is not at the front and f16 modules are left to the widened path.
     #[test]
     fn plain_steps_over_a_stored_compressed_cache_are_read_in_place() {
         let device = Device::flex();
-        let module = MultiHeadAttentionConfig::new(16, 4)
-            .with_n_kv_heads(Some(2))
-            .init(&device);
+        let base = MultiHeadAttentionConfig::new(16, 4).with_n_kv_heads(Some(2));
+        let configs = [
+            base.clone(),
+            base.clone().with_alibi(true).with_softcap(Some(2.0)),
+            base.clone()
+                .with_window(Some(3))
+                .with_attention_sinks(true)
+                .with_rope(Some(crate::RopeConfig::new())),
+            base.with_quiet_softmax(true),
+        ];
         let plain = InPlaceStep {
             plain: true,
             window: None,
         };
-        for storage in [CacheStorage::Int8, CacheStorage::Half, CacheStorage::Float] {
-            let mut cache = KvCache::new().with_storage(storage);
-            let (query, key, value) = step_heads(&module, 0, 3, &device);
-            assert!(
+        let (t, f) = (true, false);
+        let mask = |flags: Vec<bool>| {
+            Tensor::<2, Bool>::from_data(TensorData::new(flags, [2, 4]), &device)
+        };
+        let left = mask(vec![t, t, f, f, f, f, f, f]);
+        let inside = mask(vec![f, t, f, f, f, f, f, f]);
+        for config in configs {
+            let module = config.init(&device);
+            for storage in [CacheStorage::Int8, CacheStorage::Half, CacheStorage::Float] {
+                let mut cache = KvCache::new().with_storage(storage);
+                let heads = step_heads(&module, [2, 0, 3], &device);
+                let read = |heads: &StepHeads, cache: &KvCache, step, padding| {
+                    module.attend_in_place(heads, cache, step, padding)
+                };
+                assert!(
+                    read(&heads, &cache, plain, None).is_none(),
+                    "an empty cache"
+                );
+                let prompt =
+                    Tensor::<3>::random([2, 3, 16], Distribution::Normal(0.0, 1.0), &device);
                 module
-                    .attend_in_place(&query, &key, &value, &cache, plain, None)
-                    .is_none(),
-                "{storage:?}: an empty cache"
-            );
-            let prompt = Tensor::<3>::random([1, 3, 16], Distribution::Normal(0.0, 1.0), &device);
-            module
-                .forward_cached(MhaInput::self_attn(prompt).causal(), &mut cache)
-                .unwrap();
-            let (query, key, value) = step_heads(&module, 3, 1, &device);
-            let read = module.attend_in_place(&query, &key, &value, &cache, plain, None);
-            assert_eq!(
-                read.is_some(),
-                storage != CacheStorage::Float,
-                "{storage:?}: a plain step"
-            );
-            if let Some(context) = read {
-                assert_eq!(context.dims(), [1, 4, 1, 4]);
+                    .forward_cached(MhaInput::self_attn(prompt).causal(), &mut cache)
+                    .unwrap();
+                let heads = step_heads(&module, [2, 3, 1], &device);
+                let compressed = storage != CacheStorage::Float;
+                let context = read(&heads, &cache, plain, None);
+                assert_eq!(context.is_some(), compressed, "{storage:?}: a plain step");
+                if let Some(context) = context {
+                    assert_eq!(context.dims(), [2, 4, 1, 4]);
+                }
+                let left_padded = read(&heads, &cache, plain, Some(&left));
+                assert_eq!(
+                    left_padded.is_some(),
+                    compressed,
+                    "{storage:?}: left padding"
+                );
+                let masked = InPlaceStep {
+                    plain: false,
+                    ..plain
+                };
+                assert!(read(&heads, &cache, masked, None).is_none(), "not plain");
+                assert!(
+                    read(&heads, &cache, plain, Some(&inside)).is_none(),
+                    "inner padding"
+                );
+                let half_heads = StepHeads {
+                    query: heads.query.clone().cast(burn::tensor::DType::F16),
+                    ..heads
+                };
+                assert!(
+                    read(&half_heads, &cache, plain, None).is_none(),
+                    "an f16 module"
+                );
             }
-            let masked = InPlaceStep {
-                plain: false,
-                ..plain
-            };
-            assert!(
-                module
-                    .attend_in_place(&query, &key, &value, &cache, masked, None)
-                    .is_none(),
-                "{storage:?}: a step that is not plain"
-            );
         }
     }
 

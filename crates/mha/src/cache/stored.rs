@@ -8,9 +8,10 @@ use super::picked;
 use super::storage::{CacheStorage, Quantized, dequantize_int8, in_dtype, quantize_int8};
 #[cfg(any(feature = "flex", feature = "ndarray"))]
 use super::widen;
+use crate::cpu::storage::native_storage;
 
-/// Stored keys or values, `[batch, heads, stored, dim]` (or, [`Layout::FeatureMajor`],
-/// `[batch, heads, dim, stored]`).
+/// Stored keys or values, `[batch, heads, capacity, dim]` (or, [`Layout::FeatureMajor`],
+/// `[batch, heads, dim, capacity]`), of which the first [`Stored::len`] positions are held.
 #[derive(Debug, Clone)]
 pub(super) struct Stored {
     data: StoredData,
@@ -30,11 +31,18 @@ pub(crate) enum Layout {
 }
 
 impl Layout {
-    /// The layout of a side's positions in `storage`: a compressed cache's keys feature-major
-    /// (what the in-place decoding kernel reads), everything else position-major.
-    pub(super) fn of(side: Side, storage: CacheStorage) -> Self {
+    /// The layout of a side's positions in `storage`, for steps like `tensor`'s: a compressed
+    /// cache's keys feature-major where the in-place decoding kernel reads them (f32 on flex or
+    /// ndarray, outside autodiff), everything else position-major, as the other kernels read
+    /// them.
+    fn of(side: Side, storage: CacheStorage, tensor: &Tensor<4>) -> Self {
+        let device = tensor.device();
+        let read_in_place =
+            native_storage(&device) && !device.is_autodiff() && tensor.dtype() == DType::F32;
         match (side, storage) {
-            (Side::Key, CacheStorage::Half | CacheStorage::Int8) => Self::FeatureMajor,
+            (Side::Key, CacheStorage::Half | CacheStorage::Int8) if read_in_place => {
+                Self::FeatureMajor
+            }
             _ => Self::PositionMajor,
         }
     }
@@ -84,6 +92,8 @@ enum StoredData {
 /// A compressed [`Stored`]'s buffers as the in-place decoding kernel reads them: every
 /// position of the buffers' capacity (the first [`Stored::len`] hold the cache's), keys
 /// feature-major.
+// Read by the in-place kernel, compiled with the CPU backends only.
+#[cfg_attr(not(any(feature = "flex", feature = "ndarray")), allow(dead_code))]
 pub(crate) enum CompressedBuffers<'a> {
     /// f16 buffer.
     Half(&'a Tensor<4>),
@@ -98,7 +108,7 @@ impl Stored {
     /// `tensor` (`[batch, heads, positions, dim]`) stored as `storage` says, in the layout of
     /// `side` ([`Layout::of`]).
     pub(super) fn new(tensor: Tensor<4>, storage: CacheStorage, side: Side) -> Self {
-        let layout = Layout::of(side, storage);
+        let layout = Layout::of(side, storage, &tensor);
         let len = tensor.dims()[2];
         let data = match storage {
             CacheStorage::Float => StoredData::Float {
@@ -216,10 +226,14 @@ impl Stored {
         Tensor::cat(vec![self.read(dtype), new.clone()], 2)
     }
 
-    /// These positions, then `other`'s ([`appended`]).
+    /// These positions, then `other`'s ([`appended`]), in this layout.
+    ///
+    /// # Panics
+    ///
+    /// If `other` is not of this storage (f32 or f16 against int8).
     pub(super) fn cat(self, other: Self, max_positions: usize) -> Self {
-        assert_eq!(self.layout, other.layout, "one side has one layout");
         let (layout, axis) = (self.layout, self.layout.axis());
+        let other = other.in_layout(layout);
         let data = match (self.data, other.data) {
             (
                 StoredData::Float { buffer, len },
@@ -270,7 +284,36 @@ impl Stored {
         Self { data, layout }
     }
 
+    /// These positions in `layout` (a step of another device or float type than the cache's
+    /// earlier ones asks for another).
+    fn in_layout(self, layout: Layout) -> Self {
+        if layout == self.layout {
+            return self;
+        }
+        // Either way the transpose of the last two axes.
+        let data = match self.data {
+            StoredData::Float { buffer, len } => StoredData::Float {
+                buffer: buffer.swap_dims(2, 3),
+                len,
+            },
+            StoredData::Int8 {
+                values,
+                scales,
+                len,
+            } => StoredData::Int8 {
+                values: values.swap_dims(2, 3),
+                scales: scales.swap_dims(2, 3),
+                len,
+            },
+        };
+        Self { data, layout }
+    }
+
     /// The first `len` positions (positions past them stay in the buffer as spare room).
+    ///
+    /// # Panics
+    ///
+    /// If more positions than are held are asked for.
     pub(super) fn truncated(self, len: usize) -> Self {
         assert!(
             len <= self.len(),

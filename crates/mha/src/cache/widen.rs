@@ -1,6 +1,6 @@
-//! What a step of a compressed [`KvCache`](super::KvCache) attends to, written in one pass on
-//! flex and ndarray: the stored positions widened to f32 (f16, or i8 times its row's scale)
-//! with the step's own rows after them. The tensor ops make it in two: a cast or dequantization
+//! What a step of a compressed [`KvCache`](super::KvCache) that the in-place kernel does not
+//! take attends to, written in one pass on flex and ndarray: the stored positions widened to
+//! f32 (f16, or i8 times its row's scale) with the step's own rows after them. The tensor ops make it in two: a cast or dequantization
 //! of the whole cache into one tensor, then a concatenation copying all of it again into
 //! another.
 
@@ -105,11 +105,19 @@ macro_rules! native_cache_widen_backend {
                 then_rows::<Self>(shape, &rows, |past, index, dim| {
                     let head = positions(values.head(index), feature_major);
                     let scales = positions(scales.head(index), feature_major);
+                    let scale = |position: usize| scales.values[position * scales.row_stride];
+                    if !feature_major {
+                        for (position, out) in past.chunks_exact_mut(dim).enumerate() {
+                            let row = &head.values[position * head.row_stride..][..dim];
+                            simd::dequantize_row(out, row, scale(position));
+                        }
+                        return;
+                    }
                     // The i8 as floats, then each position times its scale: `x · 1 · s` is
                     // `x · s` to the bit.
                     widen_head(head, past, |out, row| simd::dequantize_row(out, row, 1.0));
                     for (position, out) in past.chunks_exact_mut(dim).enumerate() {
-                        let scale = scales.values[position * scales.row_stride];
+                        let scale = scale(position);
                         out.iter_mut().for_each(|value| *value *= scale);
                     }
                 })

@@ -22,7 +22,7 @@ use super::cache::{PagedKvCache, SequenceStep};
 use super::step::StepHeads;
 use super::store::{BlockLayout, StoredBlocks};
 use crate::alibi::alibi_slopes;
-use crate::cache::CompressedBuffers;
+use crate::cache::{CompressedBuffers, CompressedCache};
 use crate::cpu::matrix::{HeadIndex, HeadsView, Matrix, transposed_copy};
 use crate::cpu::storage::{CpuStorage, native_storage};
 use crate::module::MultiHeadAttention;
@@ -190,6 +190,9 @@ pub(crate) fn native_paged_attention(
     sequences: &[&SequenceStep],
     cache: &PagedKvCache,
 ) -> Option<Tensor<4>> {
+    if !native_kernel_runs(module, &heads.query) {
+        return None;
+    }
     let (key_store, value_store) = cache.stores()?;
     assert!(
         key_store.layout() == BlockLayout::FeatureMajor
@@ -237,8 +240,7 @@ pub(crate) fn native_paged_attention(
 
 /// The context heads `[batch, n_heads, new, head_dim]` of a decoding step over a compressed
 /// [`KvCache`](crate::KvCache) read in place: each batch element is a sequence whose one block
-/// is its whole buffer (keys feature-major, `[batch, n_kv_heads, head_dim, capacity]`; values
-/// `[batch, n_kv_heads, capacity, head_dim]`), `past` positions stored, its `new` rows causal
+/// is its whole buffer (`cache`), `cache.stored` positions stored, its `new` rows causal
 /// among themselves, the first `hidden[element]` positions hidden (left padding; none without
 /// `hidden`), `window` as the cache and module combine it. `None` where the native kernel does
 /// not take the step (as [`native_paged_attention`]).
@@ -252,8 +254,7 @@ pub(crate) fn native_paged_attention(
 pub(crate) fn native_cached_attention(
     module: &MultiHeadAttention,
     new: StepHeads,
-    stored: [CompressedBuffers; 2],
-    past: usize,
+    cache: CompressedCache,
     window: Option<usize>,
     hidden: Option<&[usize]>,
 ) -> Option<Tensor<4>> {
@@ -265,18 +266,17 @@ pub(crate) fn native_cached_attention(
     let sequences = (0..batch)
         .map(|element| PagedSequence {
             rows: element * rows..(element + 1) * rows,
-            past,
+            past: cache.stored,
             blocks: vec![element],
             hidden: hidden.map_or(0, |hidden| hidden[element]),
         })
         .collect();
     let params = kernel_params(module, &new.query, sequences, window)?;
-    let pool = match stored {
-        [
-            CompressedBuffers::Half(keys),
-            CompressedBuffers::Half(values),
-        ] => PoolRefs::Float { keys, values },
-        [
+    let pool = match (cache.keys, cache.values) {
+        (CompressedBuffers::Half(keys), CompressedBuffers::Half(values)) => {
+            PoolRefs::Float { keys, values }
+        }
+        (
             CompressedBuffers::Int8 {
                 values: keys,
                 scales: key_scales,
@@ -285,7 +285,7 @@ pub(crate) fn native_cached_attention(
                 values,
                 scales: value_scales,
             },
-        ] => PoolRefs::Int8 {
+        ) => PoolRefs::Int8 {
             keys,
             key_scales,
             values,
@@ -313,22 +313,28 @@ pub(crate) fn native_cached_attention(
     )
 }
 
+/// Whether the native kernel takes `module`'s attention of `query`: flex or ndarray outside
+/// autodiff, f32, no appended key positions.
+pub(crate) fn native_kernel_runs(module: &MultiHeadAttention, query: &Tensor<4>) -> bool {
+    let device = query.device();
+    native_storage(&device)
+        && !device.is_autodiff()
+        && query.dtype() == DType::F32
+        && module.extra_keys() == 0
+}
+
 /// A call's parameters for `module`'s attention over `sequences`; `None` where the native
-/// kernel does not run (another device, autodiff, not f32, appended key positions).
+/// kernel does not run ([`native_kernel_runs`]).
 fn kernel_params(
     module: &MultiHeadAttention,
     query: &Tensor<4>,
     sequences: Arc<[PagedSequence]>,
     window: Option<usize>,
 ) -> Option<PagedParams> {
-    let device = query.device();
-    let native = native_storage(&device)
-        && !device.is_autodiff()
-        && query.dtype() == DType::F32
-        && module.extra_keys() == 0;
-    if !native {
+    if !native_kernel_runs(module, query) {
         return None;
     }
+    let device = query.device();
     let sinks = module
         .softmax_options(&device)
         .sinks

@@ -23,7 +23,7 @@ mod prefix;
 mod step;
 mod store;
 
-pub(crate) use cpu::native_cached_attention;
+pub(crate) use cpu::{native_cached_attention, native_kernel_runs};
 pub(crate) use step::{IN_PLACE_ROWS, StepHeads};
 
 pub use cache::{PagedCacheError, PagedKvCache, PagedKvCacheConfig, PromptMatch, SequenceId};
@@ -72,11 +72,14 @@ mod cpu {
         None
     }
 
+    pub(crate) fn native_kernel_runs(_: &MultiHeadAttention, _: &Tensor<4>) -> bool {
+        false
+    }
+
     pub(crate) fn native_cached_attention(
         _: &MultiHeadAttention,
         _: StepHeads,
-        _: [crate::cache::CompressedBuffers; 2],
-        _: usize,
+        _: crate::cache::CompressedCache,
         _: Option<usize>,
         _: Option<&[usize]>,
     ) -> Option<Tensor<4>> {

@@ -1,5 +1,6 @@
 //! Rows of one sequence in a paged step, each query through the sequence's block table: the
-//! chunks the rows read (the stored blocks, then the step's new rows a block at a time), each
+//! chunks the rows read (the stored blocks, then the step's new rows, a tile of at most 64
+//! positions at a time), each
 //! chunk's tile of keys and values per key/value head where it lies, and the online softmax of
 //! every row over them. Tiles are visited in order and each is read by every row that sees it
 //! before the next, so that a prompt's rows share each tile from the CPU's nearest cache.
@@ -234,7 +235,8 @@ fn prefetch_distance(tile_bytes: usize) -> usize {
 }
 
 /// The outputs of rows `rows` of the step (a run of `sequence`'s rows), `[rows, n_heads,
-/// head_dim]`: chunk by chunk of the keys the rows see (a block at most), every key/value head
+/// head_dim]`: chunk by chunk of the keys the rows see (a tile: a block, or 64 positions of a
+/// longer one, at most), every key/value head
 /// in turn within a chunk, so that a task reads each block's heads (adjacent in the pool) one
 /// after the other, and each (chunk, key/value head) tile is read by every row that sees it
 /// before the next (one [`simd::attend_tile`] per row, for the query heads that share the
