@@ -10,6 +10,7 @@ use burn::module::ParamId;
 use burn::tensor::{Bool, DType, Device, Tensor};
 
 use crate::mask::Positions;
+use crate::paged::StoredBlocks;
 
 mod storage;
 mod stored;
@@ -23,7 +24,6 @@ pub use storage::CacheStorage;
 pub(crate) use storage::{
     Quantized, beyond_half_range, dequantize_int8, in_dtype, quantize_int8, storage_unsupported,
 };
-pub(crate) use stored::CompressedBuffers;
 use stored::{Layout, Side, Stored};
 use undo::{StepUndo, UndoLog};
 
@@ -31,11 +31,11 @@ use undo::{StepUndo, UndoLog};
 /// ([`KvCache::in_place_buffers`]): every position of their capacity, of which the first
 /// `stored` are the cache's.
 pub(crate) struct CompressedCache<'a> {
-    /// Feature-major: `[batch, n_kv_heads, head_dim, capacity]` (an int8 cache's scales
-    /// `[batch, n_kv_heads, 1, capacity]`).
-    pub keys: CompressedBuffers<'a>,
+    /// f16 or int8, feature-major: `[batch, n_kv_heads, head_dim, capacity]` (an int8 cache's
+    /// scales `[batch, n_kv_heads, 1, capacity]`).
+    pub keys: StoredBlocks<'a>,
     /// `[batch, n_kv_heads, capacity, head_dim]` (scales `[batch, n_kv_heads, capacity, 1]`).
-    pub values: CompressedBuffers<'a>,
+    pub values: StoredBlocks<'a>,
     /// Positions the cache holds.
     pub stored: usize,
 }

@@ -9,6 +9,7 @@ use super::storage::{CacheStorage, Quantized, dequantize_int8, in_dtype, quantiz
 #[cfg(any(feature = "flex", feature = "ndarray"))]
 use super::widen;
 use crate::cpu::storage::native_storage;
+use crate::paged::StoredBlocks;
 
 /// Stored keys or values, `[batch, heads, capacity, dim]` (or, [`Layout::FeatureMajor`],
 /// `[batch, heads, dim, capacity]`), of which the first [`Stored::len`] positions are held.
@@ -89,21 +90,6 @@ enum StoredData {
     },
 }
 
-/// A compressed [`Stored`]'s buffers as the in-place decoding kernel reads them: every
-/// position of the buffers' capacity (the first [`Stored::len`] hold the cache's), keys
-/// feature-major.
-// Read by the in-place kernel, compiled with the CPU backends only.
-#[cfg_attr(not(any(feature = "flex", feature = "ndarray")), allow(dead_code))]
-pub(crate) enum CompressedBuffers<'a> {
-    /// f16 buffer.
-    Half(&'a Tensor<4>),
-    /// i8 buffer and its f32 scales.
-    Int8 {
-        values: &'a Tensor<4, Int>,
-        scales: &'a Tensor<4>,
-    },
-}
-
 impl Stored {
     /// `tensor` (`[batch, heads, positions, dim]`) stored as `storage` says, in the layout of
     /// `side` ([`Layout::of`]).
@@ -148,16 +134,15 @@ impl Stored {
         matches!(&self.data, StoredData::Float { buffer, .. } if buffer.dtype() == dtype)
     }
 
-    /// The f16 or int8 buffers, whole (spare positions included); `None` for f32 storage.
-    pub(crate) fn compressed(&self) -> Option<CompressedBuffers<'_>> {
+    /// The f16 or int8 buffers, whole (spare positions included), as the in-place kernel reads
+    /// a paged pool's (each batch element one block); `None` for f32 storage.
+    pub(crate) fn compressed(&self) -> Option<StoredBlocks<'_>> {
         match &self.data {
             StoredData::Float { buffer, .. } if buffer.dtype() == DType::F16 => {
-                Some(CompressedBuffers::Half(buffer))
+                Some(StoredBlocks::Float(buffer))
             }
             StoredData::Float { .. } => None,
-            StoredData::Int8 { values, scales, .. } => {
-                Some(CompressedBuffers::Int8 { values, scales })
-            }
+            StoredData::Int8 { values, scales, .. } => Some(StoredBlocks::Int8 { values, scales }),
         }
     }
 

@@ -22,7 +22,7 @@ use super::cache::{PagedKvCache, SequenceStep};
 use super::step::StepHeads;
 use super::store::{BlockLayout, StoredBlocks};
 use crate::alibi::alibi_slopes;
-use crate::cache::{CompressedBuffers, CompressedCache};
+use crate::cache::CompressedCache;
 use crate::cpu::matrix::{HeadIndex, HeadsView, Matrix, transposed_copy};
 use crate::cpu::storage::{CpuStorage, native_storage};
 use crate::module::MultiHeadAttention;
@@ -209,27 +209,7 @@ pub(crate) fn native_paged_attention(
         })
         .collect();
     let params = kernel_params(module, &heads.query, sequences, module.window)?;
-    let pool = match (key_store.stored(), value_store.stored()) {
-        (StoredBlocks::Float(keys), StoredBlocks::Float(values)) => {
-            PoolRefs::Float { keys, values }
-        }
-        (
-            StoredBlocks::Int8 {
-                values: keys,
-                scales: key_scales,
-            },
-            StoredBlocks::Int8 {
-                values,
-                scales: value_scales,
-            },
-        ) => PoolRefs::Int8 {
-            keys,
-            key_scales,
-            values,
-            value_scales,
-        },
-        _ => return None,
-    };
+    let pool = PoolRefs::of(key_store.stored(), value_store.stored())?;
     let new = StepHeads {
         query: heads.query.clone(),
         key: heads.key.clone(),
@@ -272,27 +252,7 @@ pub(crate) fn native_cached_attention(
         })
         .collect();
     let params = kernel_params(module, &new.query, sequences, window)?;
-    let pool = match (cache.keys, cache.values) {
-        (CompressedBuffers::Half(keys), CompressedBuffers::Half(values)) => {
-            PoolRefs::Float { keys, values }
-        }
-        (
-            CompressedBuffers::Int8 {
-                values: keys,
-                scales: key_scales,
-            },
-            CompressedBuffers::Int8 {
-                values,
-                scales: value_scales,
-            },
-        ) => PoolRefs::Int8 {
-            keys,
-            key_scales,
-            values,
-            value_scales,
-        },
-        _ => return None,
-    };
+    let pool = PoolRefs::of(cache.keys, cache.values)?;
     // The batch's rows one after the other, as a paged step's are.
     let rows_of = |heads: Tensor<4>| {
         let [batch, heads_count, rows, dim] = heads.dims();
@@ -369,6 +329,33 @@ enum PoolRefs<'a> {
         values: &'a Tensor<4, Int>,
         value_scales: &'a Tensor<4>,
     },
+}
+
+impl<'a> PoolRefs<'a> {
+    /// The pool of `keys` and `values` stored alike (float or f16, or int8); `None` for a mix.
+    fn of(keys: StoredBlocks<'a>, values: StoredBlocks<'a>) -> Option<Self> {
+        Some(match (keys, values) {
+            (StoredBlocks::Float(keys), StoredBlocks::Float(values)) => {
+                Self::Float { keys, values }
+            }
+            (
+                StoredBlocks::Int8 {
+                    values: keys,
+                    scales: key_scales,
+                },
+                StoredBlocks::Int8 {
+                    values,
+                    scales: value_scales,
+                },
+            ) => Self::Int8 {
+                keys,
+                key_scales,
+                values,
+                value_scales,
+            },
+            _ => return None,
+        })
+    }
 }
 
 /// The kernel on `pool` and the step's rows `new` (`[1, heads, rows, head_dim]` each);
