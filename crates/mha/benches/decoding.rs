@@ -1,8 +1,10 @@
 //! Decoding speed against the memory-bandwidth bound: one token at a time, batch 1, with the KV
-//! cache at 512, 4096 and 16384 cached positions (d_model 512, 8 query heads, 2 key/value
-//! heads, flex), beside the bytes each step must read (the cached keys and values, and the four
-//! projection weights) and the time reading that many bytes takes at this machine's measured
-//! read bandwidth (one thread's: a batch-1 step runs on one).
+//! cache at 512, 4096 and 16384 cached positions in each storage (f32, f16, int8; d_model 512,
+//! 8 query heads, 2 key/value heads, flex), beside the bytes each step must read (the cached
+//! keys and values as stored, and the four projection weights) and the time reading that many
+//! bytes takes at this machine's measured read bandwidth on one thread: a short step runs on
+//! one; a long one is spread over rayon's threads (the flash kernel's heads in f32, parts of
+//! the positions in f16 and int8) and can beat it.
 //!
 //! Then many sequences at once (`decoding/concurrent.rs`): continuous batching over a
 //! `PagedKvCache` against a padded `KvCache` batch and against one sequence at a time.
@@ -53,7 +55,7 @@ fn read_bandwidth(threads: usize) -> f64 {
 /// pairs, in µs. About `PAIR_TASK` where the machine wakes a worker at once, twice that where
 /// the second task waited for the first. A step over many sequences pays such wake-ups in each
 /// of its parallel parts (projections, attention, output projection); one sequence at a time
-/// runs on one thread and pays none.
+/// pays them only where its step is long enough to be spread.
 fn parallel_pair() -> [f64; 3] {
     let spin = || {
         let started = Instant::now();
@@ -166,9 +168,10 @@ fn main() {
     let module = MultiHeadAttentionConfig::new(D_MODEL, HEADS)
         .with_n_kv_heads(Some(KV_HEADS))
         .init(&device);
-    // A batch-1 decoding step runs on one thread; a step over many sequences on all of
-    // rayon's (one task per sequence, a thread per core unless RAYON_NUM_THREADS says
-    // otherwise), whose bound is the bandwidth of all cores together.
+    // A short batch-1 decoding step runs on one thread; a step over many sequences on all of
+    // rayon's (a task per sequence, or per part of a long one's positions, a thread per core
+    // unless RAYON_NUM_THREADS says otherwise), whose bound is the bandwidth of all cores
+    // together.
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     let (one_thread, all_threads) = (read_bandwidth(1), read_bandwidth(threads));
     let head_dim = D_MODEL / HEADS;
@@ -229,12 +232,17 @@ fn one_sequence_table(
     let weight_bytes = 4 * (2 * D_MODEL * D_MODEL + 2 * D_MODEL * KV_HEADS * head_dim);
     println!("\nbatch 1, median of {steps} steps\n");
     println!(
-        "| cached positions | ms per token | bytes a step must read | at {:.1} GB/s, ms | time / bound |",
+        "| storage | cached positions | ms per token | bytes a step must read | at {:.1} GB/s, ms | time / bound |",
         bandwidth / 1e9
     );
-    println!("|---|---|---|---|---|");
-    for &cached in &options.positions {
-        let mut cache = KvCache::new();
+    println!("|---|---|---|---|---|---|");
+    for (&storage, &cached) in options.storages.iter().flat_map(|storage| {
+        options
+            .positions
+            .iter()
+            .map(move |cached| (storage, cached))
+    }) {
+        let mut cache = KvCache::new().with_storage(storage);
         let prompt = Tensor::<3>::random([1, cached, D_MODEL], Distribution::Default, device);
         module
             .forward_cached(MhaInput::self_attn(prompt).causal(), &mut cache)
@@ -251,11 +259,11 @@ fn one_sequence_table(
         }
         times.sort_by(f64::total_cmp);
         let median = times[steps / 2];
-        // The keys and values of every cached position, and the projection weights.
-        let bytes = 2 * cached * KV_HEADS * head_dim * 4 + weight_bytes;
+        // The keys and values of every cached position as stored, and the projection weights.
+        let bytes = cached * concurrent::position_bytes(storage, KV_HEADS, head_dim) + weight_bytes;
         let bound = bytes as f64 / bandwidth;
         println!(
-            "| {cached} | {:.3} | {:.1} MB | {:.3} | {:.1}x |",
+            "| {storage:?} | {cached} | {:.3} | {:.1} MB | {:.3} | {:.1}x |",
             median * 1e3,
             bytes as f64 / 1e6,
             bound * 1e3,

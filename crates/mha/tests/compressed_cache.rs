@@ -137,36 +137,53 @@ fn a_compressed_cache_read_in_place_equals_it_widened() {
     }
 }
 
-/// A batch of prompts of different lengths, left-padded: the decoding steps after it read
-/// the cache in place with each element's padding hidden, as the widened cache gives them.
-#[test]
-fn a_left_padded_batch_is_read_in_place_as_it_is_widened() {
+/// Left-padded prompts of `prompt` positions, the first `hidden[element]` of each element
+/// padding, then causal steps of `steps` new rows, each read in place as the widened cache
+/// gives it, on both CPU backends, in every configuration and compressed storage.
+fn left_padded_prompts_then_steps(seed: u64, hidden: &[usize], prompt: usize, steps: &[usize]) {
+    let batch = hidden.len();
     for name in ["flex", "ndarray"] {
         let device = device_by_name(name).unwrap();
-        let _seed = common::seed(&device, 63);
+        let _seed = common::seed(&device, seed);
         for (label, config) in configs() {
             let module = config.init(&device);
             let d_model = module.d_model();
             for storage in compressed_storages(&device) {
                 let cache = KvCache::new().with_storage(storage);
                 let mut pair = Pair::new(&module, cache, format!("{name} {label} {storage:?}"));
-                // The second prompt is 3 tokens shorter; a third, 6 shorter still.
-                let hidden = [0, 3, 9];
                 let flags = hidden
                     .iter()
-                    .flat_map(|&hidden| (0..12).map(move |position| position < hidden))
+                    .flat_map(|&hidden| (0..prompt).map(move |position| position < hidden))
                     .collect();
                 let padding =
-                    Tensor::<2, Bool>::from_data(TensorData::new(flags, [3, 12]), &device);
-                pair.step(randn([3, 12, d_model], &device), |input| {
+                    Tensor::<2, Bool>::from_data(TensorData::new(flags, [batch, prompt]), &device);
+                pair.step(randn([batch, prompt, d_model], &device), |input| {
                     input.causal().key_padding_mask(padding.clone())
                 });
-                for new in [1, 1, 2, 1] {
-                    pair.step(randn([3, new, d_model], &device), |input| input.causal());
+                for &new in steps {
+                    pair.step(randn([batch, new, d_model], &device), |input| {
+                        input.causal()
+                    });
                 }
             }
         }
     }
+}
+
+/// A batch of prompts of different lengths, left-padded: the decoding steps after it read
+/// the cache in place with each element's padding hidden, as the widened cache gives them.
+#[test]
+fn a_left_padded_batch_is_read_in_place_as_it_is_widened() {
+    // The second prompt is 3 tokens shorter; a third, 6 shorter still.
+    left_padded_prompts_then_steps(63, &[0, 3, 9], 12, &[1, 1, 2, 1]);
+}
+
+/// A cache of more than 2048 positions is read by several tasks per batch element, a part of
+/// its positions each, whose softmaxes are merged: as the widened cache gives them.
+#[test]
+fn a_long_compressed_cache_read_in_parts_equals_it_widened() {
+    // The first element's 2300 positions are read in two parts, the second's 1600 in one.
+    left_padded_prompts_then_steps(62, &[0, 700], 2300, &[1, 3, 1]);
 }
 
 /// Steps the in-place kernel does not take (padding of new keys, an attention mask) go to

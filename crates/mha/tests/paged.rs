@@ -7,13 +7,14 @@ mod common;
 use std::collections::BTreeMap;
 
 use burn::tensor::{DType, Device, Tensor};
-use common::{assert_close, panic_message, randn, test_devices, tolerance};
+use common::{assert_close, device_by_name, panic_message, randn, test_devices, tolerance};
 use mha::transformer::{
     PagedTransformerCache, TransformerEncoder, TransformerEncoderCache, TransformerEncoderInput,
 };
 use mha::{
-    CacheStorage, KvCache, MhaInput, MultiHeadAttention, MultiHeadAttentionConfig, PagedCacheError,
-    PagedKvCache, PagedKvCacheConfig, RopeConfig, RopeLayout, SequenceId,
+    AttentionPath, BlockSizes, CacheStorage, KvCache, MhaInput, MultiHeadAttention,
+    MultiHeadAttentionConfig, PagedCacheError, PagedKvCache, PagedKvCacheConfig, RopeConfig,
+    RopeLayout, SequenceId,
 };
 
 const D_MODEL: usize = 16;
@@ -81,6 +82,9 @@ struct Harness<'a> {
     /// Each sequence's tokens so far, `[len, d_model]` pieces.
     tokens: BTreeMap<SequenceId, Vec<Tensor<2>>>,
     storage: CacheStorage,
+    /// The path the references decode with: `Auto` (a compressed `KvCache` read in place by
+    /// the paged kernel too on flex and ndarray) or `Flash` (the cache widened, another kernel).
+    reference_path: AttentionPath,
     label: String,
     tolerance: f32,
 }
@@ -100,9 +104,16 @@ impl<'a> Harness<'a> {
             alone: BTreeMap::new(),
             tokens: BTreeMap::new(),
             storage: config.storage,
+            reference_path: AttentionPath::Auto,
             label,
             tolerance,
         }
+    }
+
+    /// The references decode with `path`.
+    fn with_reference_path(mut self, path: AttentionPath) -> Self {
+        self.reference_path = path;
+        self
     }
 
     fn add(&mut self) -> SequenceId {
@@ -163,7 +174,12 @@ impl<'a> Harness<'a> {
             let tokens = own.reshape([1, n, self.module.d_model()]);
             let expected = self
                 .module
-                .forward_cached(MhaInput::self_attn(tokens).causal(), alone)
+                .forward_cached(
+                    MhaInput::self_attn(tokens)
+                        .causal()
+                        .path(self.reference_path),
+                    alone,
+                )
                 .unwrap()
                 .context
                 .reshape([n, self.module.d_model()]);
@@ -750,6 +766,37 @@ fn long_sequences_read_in_several_windows_of_blocks_equal_decoding_them_alone() 
         harness.step(&[(a, 1), (b, 1)]);
         harness.step(&[(b, 3), (a, 9)]);
         harness.step(&[(a, 1)]);
+    }
+}
+
+/// Sequences of more than 2048 positions are read by several tasks, a part of their positions
+/// each, whose softmaxes are merged: each step equals decoding the sequence alone through the
+/// flash kernel (over the cache widened, for f16 and int8), prompts and decoding steps beside
+/// one another, in every storage, on both CPU backends.
+#[test]
+fn long_sequences_read_in_parts_by_several_tasks_equal_decoding_them_alone() {
+    for name in ["flex", "ndarray"] {
+        let device = device_by_name(name).unwrap();
+        let _seed = common::seed(&device, 39);
+        // The configurations the native kernel takes (no appended key positions).
+        for (label, config) in configs().into_iter().take(7) {
+            let module = config.init(&device);
+            for storage in storages(&device) {
+                let paged = PagedKvCacheConfig::new(512)
+                    .with_block_size(16)
+                    .with_storage(storage);
+                let label = format!("{name} {label} {storage:?}");
+                let mut harness = Harness::new(&module, &device, paged, label, 1e-5)
+                    .with_reference_path(AttentionPath::Flash(BlockSizes::default()));
+                let (a, b, c) = (harness.add(), harness.add(), harness.add());
+                harness.step(&[(a, 2100), (b, 3300)]);
+                // Two parts for `a` and three for `b`, beside a short sequence's one.
+                harness.step(&[(a, 1), (c, 5), (b, 1)]);
+                harness.step(&[(b, 3), (a, 1), (c, 1)]);
+                // A run of 17 rows: two tasks of rows, each in parts.
+                harness.step(&[(a, 17), (b, 1)]);
+            }
+        }
     }
 }
 

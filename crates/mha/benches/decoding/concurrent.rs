@@ -37,6 +37,16 @@ pub struct Sizes {
     pub block_size: usize,
 }
 
+/// Bytes one cached position takes in `storage`: the keys and values of every key/value head,
+/// f32, f16, or i8 and an f32 scale.
+pub fn position_bytes(storage: CacheStorage, kv_heads: usize, head_dim: usize) -> usize {
+    match storage {
+        CacheStorage::Float => 2 * kv_heads * head_dim * 4,
+        CacheStorage::Half => 2 * kv_heads * head_dim * 2,
+        CacheStorage::Int8 => 2 * kv_heads * (head_dim + 4),
+    }
+}
+
 /// The three ways a round can be served.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Way {
@@ -126,16 +136,9 @@ fn cell(
     let lengths: Vec<usize> = (0..count).map(|i| LENGTHS[i % LENGTHS.len()]).collect();
     let longest = *lengths.iter().max().expect("a sequence");
     let stored: usize = lengths.iter().sum();
-    // Keys and values of every key/value head: f32, f16, or i8 and an f32 scale.
-    let float_position_bytes = 2 * sizes.kv_heads * sizes.head_dim * 4;
-    let position_bytes = match storage {
-        CacheStorage::Float => float_position_bytes,
-        CacheStorage::Half => 2 * sizes.kv_heads * sizes.head_dim * 2,
-        CacheStorage::Int8 => 2 * sizes.kv_heads * (sizes.head_dim + 4),
-    };
     // Every layer's weights and cached positions.
     let depth = layers.len();
-    let position_bytes = depth * position_bytes;
+    let position_bytes = depth * position_bytes(storage, sizes.kv_heads, sizes.head_dim);
     let weight_bytes = depth
         * 4
         * (2 * sizes.d_model * sizes.d_model + 2 * sizes.d_model * sizes.kv_heads * sizes.head_dim);

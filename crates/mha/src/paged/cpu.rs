@@ -6,9 +6,10 @@
 //! (half the bytes).
 //!
 //! A task is a run of at most 16 consecutive rows of one sequence (a prompt's rows spread over
-//! rayon's threads): each tile of keys and values is read by all its rows, each key/value
-//! head's query heads share every key and value row they read (GQA without copies), and tasks
-//! write disjoint outputs.
+//! rayon's threads) and a part of the positions they see (a long sequence's spread too): each
+//! tile of keys and values is read by all its rows, each key/value head's query heads share
+//! every key and value row they read (GQA without copies), and the parts of a run of rows are
+//! merged at the end (`parts`).
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -27,9 +28,11 @@ use crate::cpu::matrix::{HeadIndex, HeadsView, Matrix, transposed_copy};
 use crate::cpu::storage::{CpuStorage, native_storage};
 use crate::module::MultiHeadAttention;
 
+mod parts;
 mod sequence;
 mod write;
 
+use parts::{PartialRows, Task};
 use sequence::sequence_output;
 pub(crate) use write::{PoolWrite, Slot, native_write};
 
@@ -527,11 +530,6 @@ struct Sizes {
     block_size: usize,
 }
 
-/// Rows of one sequence that one task takes at most: a prompt's rows are spread over rayon's
-/// threads, and each task reads the keys and values its rows see once, tile by tile, for all
-/// of them.
-const TASK_ROWS: usize = 16;
-
 /// [`PagedAttentionBackend::paged_attention`] on a CPU backend's storage.
 ///
 /// # Panics
@@ -612,26 +610,20 @@ fn paged_attention<B: CpuStorage>(
         block_size,
     };
     check_inputs(&views, new_key.shape(), sizes, pool_blocks, key_dim, params);
-    // A task per run of at most `TASK_ROWS` rows of a sequence.
-    let tasks: Vec<(&PagedSequence, Range<usize>)> = params
-        .sequences
-        .iter()
-        .flat_map(|sequence| {
-            let rows = sequence.rows.clone();
-            rows.clone()
-                .step_by(TASK_ROWS)
-                .map(move |start| (sequence, start..(start + TASK_ROWS).min(rows.end)))
-        })
-        .collect();
-    let results: Vec<Vec<f32>> = tasks
-        .par_iter()
-        .map(|(sequence, rows)| sequence_output(&views, sizes, params, sequence, rows.clone()))
-        .collect();
-    // `[1, rows, n_heads, head_dim]`: each task's rows, whole, in place.
+    let tasks = parts::tasks(&params.sequences, block_size, params.window);
+    let task_output = |task: &Task| sequence_output(&views, sizes, params, task);
+    // One task (a short sequence's decoding step) runs on the calling thread: handing it to
+    // rayon's would only add the handover.
+    let partials: Vec<PartialRows> = if tasks.len() == 1 {
+        vec![task_output(&tasks[0])]
+    } else {
+        tasks.par_iter().map(task_output).collect()
+    };
+    // `[1, rows, n_heads, head_dim]`: each run of rows, whole, in place.
     let width = n_heads * head_dim;
     let mut output = vec![0.0f32; rows * width];
-    for ((_, rows), result) in tasks.iter().zip(&results) {
-        output[rows.start * width..rows.end * width].copy_from_slice(result);
+    for (rows, result) in parts::merged_outputs(&tasks, partials, params, head_dim) {
+        output[rows.start * width..rows.end * width].copy_from_slice(&result);
     }
     B::sequence_major(output, [1, n_heads, rows, head_dim])
 }

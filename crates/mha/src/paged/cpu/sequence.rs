@@ -9,6 +9,7 @@ use std::ops::Range;
 
 use burn::tensor::f16;
 
+use super::parts::{PartialRows, Task, visible};
 use super::{PagedParams, PagedSequence, PoolViews, Sizes, Views};
 use crate::cpu::matrix::{HeadIndex, HeadsView, Matrix};
 use crate::cpu::simd;
@@ -16,8 +17,8 @@ use crate::cpu::simd;
 /// Consecutive positions of a sequence that one tile covers, for every key/value head: a
 /// stored block's (or part of one), or the step's new rows.
 #[derive(Debug, Clone, PartialEq, Eq)]
-struct Chunk {
-    positions: Range<usize>,
+pub(super) struct Chunk {
+    pub positions: Range<usize>,
     source: ChunkSource,
 }
 
@@ -44,7 +45,7 @@ fn tile_positions(block_size: usize) -> usize {
 /// The chunks rows of `sequence` that see positions `visible` read, in order: its stored
 /// positions block by block (in tiles of at most [`MAX_TILE_POSITIONS`]), then the step's new
 /// ones, a tile at a time.
-fn chunks(
+pub(super) fn chunks(
     sequence: &PagedSequence,
     block_size: usize,
     visible: Range<usize>,
@@ -234,20 +235,18 @@ fn prefetch_distance(tile_bytes: usize) -> usize {
     PREFETCH_BYTES.div_ceil(tile_bytes.max(1)).max(1)
 }
 
-/// The outputs of rows `rows` of the step (a run of `sequence`'s rows), `[rows, n_heads,
-/// head_dim]`: chunk by chunk of the keys the rows see (a tile: a block, or 64 positions of a
-/// longer one, at most), every key/value head
-/// in turn within a chunk, so that a task reads each block's heads (adjacent in the pool) one
-/// after the other, and each (chunk, key/value head) tile is read by every row that sees it
-/// before the next (one [`simd::attend_tile`] per row, for the query heads that share the
-/// key/value head).
+/// The softmaxes of `task`'s rows over its positions, unfinished ([`PartialRows`]): chunk by
+/// chunk of the keys the rows see (a tile: a block, or 64 positions of a longer one, at most),
+/// every key/value head in turn within a chunk, so that a task reads each block's heads
+/// (adjacent in the pool) one after the other, and each (chunk, key/value head) tile is read
+/// by every row that sees it before the next (one [`simd::attend_tile`] per row, for the query
+/// heads that share the key/value head).
 pub(super) fn sequence_output(
     views: &Views,
     sizes: Sizes,
     params: &PagedParams,
-    sequence: &PagedSequence,
-    rows: Range<usize>,
-) -> Vec<f32> {
+    task: &Task,
+) -> PartialRows {
     let Sizes {
         n_heads,
         n_kv_heads,
@@ -255,6 +254,11 @@ pub(super) fn sequence_output(
         block_size,
         ..
     } = sizes;
+    let Task {
+        sequence,
+        rows,
+        positions,
+    } = task;
     assert!(
         !rows.is_empty() && sequence.rows.start <= rows.start && rows.end <= sequence.rows.end,
         "paged attention: rows {rows:?} are not rows of the sequence's {:?}",
@@ -263,11 +267,8 @@ pub(super) fn sequence_output(
     let group = n_heads / n_kv_heads;
     let distance =
         prefetch_distance(tile_positions(block_size) * 2 * head_dim * views.pool.element_bytes());
-    let mut rows = RowStates::new(views, params, sequence, rows, (n_heads, head_dim));
-    // Every row sees a span of positions that starts no earlier and ends later than the row
-    // before's.
-    let span = rows.visible[0].start..rows.visible[rows.visible.len() - 1].end;
-    let chunk_list: Vec<Chunk> = chunks(sequence, block_size, span).collect();
+    let mut rows = RowStates::new(views, params, task, (n_heads, head_dim));
+    let chunk_list: Vec<Chunk> = chunks(sequence, block_size, positions.clone()).collect();
     // Every (chunk, key/value head) tile once, chunk by chunk: the prefetch ahead and the
     // computation read the same list.
     let mut tiles = Vec::with_capacity(chunk_list.len() * n_kv_heads);
@@ -308,14 +309,15 @@ pub(super) fn sequence_output(
             }
         }
     }
-    rows.outputs(params)
+    rows.partial()
 }
 
 /// The rows of a task and their online softmaxes under way, row-major.
 struct RowStates {
     /// Each row's position in its sequence.
     positions: Vec<usize>,
-    /// The positions each row sees: a window's, up to itself.
+    /// The positions each row sees that the task reads: a window's, up to itself (empty where
+    /// the task's part holds none of them).
     visible: Vec<Range<usize>>,
     /// `[rows, n_heads · head_dim]`, multiplied by the softmax scale once, so that the dot
     /// products are the scores.
@@ -334,10 +336,14 @@ impl RowStates {
     fn new(
         views: &Views,
         params: &PagedParams,
-        sequence: &PagedSequence,
-        rows: Range<usize>,
+        task: &Task,
         (n_heads, head_dim): (usize, usize),
     ) -> Self {
+        let Task {
+            sequence,
+            rows,
+            positions: part,
+        } = task;
         let width = n_heads * head_dim;
         let positions: Vec<usize> = rows
             .clone()
@@ -346,10 +352,9 @@ impl RowStates {
         let visible = positions
             .iter()
             .map(|&position| {
-                let first = params
-                    .window
-                    .map_or(0, |window| (position + 1).saturating_sub(window));
-                first.max(sequence.hidden).min(position)..position + 1
+                let seen = visible(position, params.window, sequence.hidden);
+                let start = seen.start.max(part.start);
+                start..seen.end.min(part.end).max(start)
             })
             .collect();
         let mut queries = vec![0.0f32; rows.len() * width];
@@ -419,21 +424,13 @@ impl RowStates {
         }
     }
 
-    /// The rows' outputs, `[rows, n_heads, head_dim]`: each head's weighted sum divided by its
-    /// softmax sum.
-    fn outputs(mut self, params: &PagedParams) -> Vec<f32> {
-        let (n_heads, head_dim) = (self.n_heads, self.head_dim);
-        let width = n_heads * head_dim;
-        for row in 0..self.positions.len() {
-            normalize(
-                &mut self.outputs[row * width..][..width],
-                &self.maxima[row * n_heads..][..n_heads],
-                &self.sums[row * n_heads..][..n_heads],
-                params,
-                head_dim,
-            );
+    /// The rows' softmaxes so far.
+    fn partial(self) -> PartialRows {
+        PartialRows {
+            maxima: self.maxima,
+            sums: self.sums,
+            outputs: self.outputs,
         }
-        self.outputs
     }
 }
 
@@ -443,30 +440,6 @@ fn prefetch_scales(tile: &Tile) {
     if let Tile::Int8(tile, scales) = tile {
         simd::prefetch(scales.keys, tile.count * scales.key_stride);
         simd::prefetch(scales.values, tile.count * scales.value_stride);
-    }
-}
-
-/// Divides each head's output by its softmax sum, the sink's term (if any) added first.
-fn normalize(
-    outputs: &mut [f32],
-    maxima: &[f32],
-    sums: &[f32],
-    params: &PagedParams,
-    head_dim: usize,
-) {
-    for (head, output) in outputs.chunks_exact_mut(head_dim).enumerate() {
-        let (mut max, mut sum) = (maxima[head], sums[head]);
-        let mut scale = 1.0;
-        if let Some(sinks) = &params.sinks {
-            let sink = sinks[head];
-            let with_sink = max.max(sink);
-            scale = (max - with_sink).exp();
-            sum = sum * scale + (sink - with_sink).exp();
-            max = with_sink;
-        }
-        debug_assert!(max > f32::NEG_INFINITY, "a query sees at least itself");
-        let factor = scale / sum;
-        output.iter_mut().for_each(|value| *value *= factor);
     }
 }
 
