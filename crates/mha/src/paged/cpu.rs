@@ -33,7 +33,7 @@ mod sequence;
 mod write;
 
 use parts::{PartialRows, Task};
-use sequence::sequence_output;
+use sequence::task_softmaxes;
 pub(crate) use write::{PoolWrite, Slot, native_write};
 
 /// One sequence of a paged step as the kernel reads it.
@@ -611,7 +611,7 @@ fn paged_attention<B: CpuStorage>(
     };
     check_inputs(&views, new_key.shape(), sizes, pool_blocks, key_dim, params);
     let tasks = parts::tasks(&params.sequences, block_size, params.window);
-    let task_output = |task: &Task| sequence_output(&views, sizes, params, task);
+    let task_output = |task: &Task| task_softmaxes(&views, sizes, params, task);
     // One task (a short sequence's decoding step) runs on the calling thread: handing it to
     // rayon's would only add the handover.
     let partials: Vec<PartialRows> = if tasks.len() == 1 {

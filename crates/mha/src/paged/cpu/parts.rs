@@ -19,10 +19,10 @@ pub(super) const TASK_ROWS: usize = 16;
 /// Positions a part of a split sequence holds at least: a sequence whose rows see fewer is
 /// one task's.
 ///
-/// Why: a part is a task of its own, worth a thread where it reads about a MiB of f32 keys
-/// and values (1024 positions of two key/value heads of 64 features), tens of microseconds of
-/// work against the few that handing it to another thread costs; shorter sequences are
-/// spread over the threads well enough by being many.
+/// Why: a part is a task of its own, worth handing to another thread where it reads about a
+/// MiB of f32 keys and values (1024 positions of two key/value heads of 64 features): tens of
+/// microseconds of work, more than the handover costs where the thread is awake; shorter
+/// sequences are spread over the threads well enough by being many.
 pub(super) const MIN_PART_POSITIONS: usize = 1024;
 
 /// One task of a paged call.

@@ -241,7 +241,7 @@ fn prefetch_distance(tile_bytes: usize) -> usize {
 /// (adjacent in the pool) one after the other, and each (chunk, key/value head) tile is read
 /// by every row that sees it before the next (one [`simd::attend_tile`] per row, for the query
 /// heads that share the key/value head).
-pub(super) fn sequence_output(
+pub(super) fn task_softmaxes(
     views: &Views,
     sizes: Sizes,
     params: &PagedParams,
