@@ -6,7 +6,7 @@
 mod common;
 
 use burn::tensor::{Bool, DType, Device, Tensor, TensorData};
-use common::{assert_close, device_by_name, randn};
+use common::{assert_close, device_by_name, randn, with_random_sinks};
 use mha::{
     AttentionPath, BlockSizes, CacheLimit, CacheStorage, KvCache, MhaInput, MultiHeadAttention,
     MultiHeadAttentionConfig, RopeConfig,
@@ -140,13 +140,19 @@ fn a_compressed_cache_read_in_place_equals_it_widened() {
 /// Left-padded prompts of `prompt` positions, the first `hidden[element]` of each element
 /// padding, then causal steps of `steps` new rows, each read in place as the widened cache
 /// gives it, on both CPU backends, in every configuration and compressed storage.
-fn left_padded_prompts_then_steps(seed: u64, hidden: &[usize], prompt: usize, steps: &[usize]) {
+fn left_padded_prompts_then_steps(
+    configs: &[(&str, MultiHeadAttentionConfig)],
+    seed: u64,
+    hidden: &[usize],
+    prompt: usize,
+    steps: &[usize],
+) {
     let batch = hidden.len();
     for name in ["flex", "ndarray"] {
         let device = device_by_name(name).unwrap();
         let _seed = common::seed(&device, seed);
-        for (label, config) in configs() {
-            let module = config.init(&device);
+        for (label, config) in configs {
+            let module = with_random_sinks(config.init(&device), &device);
             let d_model = module.d_model();
             for storage in compressed_storages(&device) {
                 let cache = KvCache::new().with_storage(storage);
@@ -175,15 +181,25 @@ fn left_padded_prompts_then_steps(seed: u64, hidden: &[usize], prompt: usize, st
 #[test]
 fn a_left_padded_batch_is_read_in_place_as_it_is_widened() {
     // The second prompt is 3 tokens shorter; a third, 6 shorter still.
-    left_padded_prompts_then_steps(63, &[0, 3, 9], 12, &[1, 1, 2, 1]);
+    left_padded_prompts_then_steps(&configs(), 63, &[0, 3, 9], 12, &[1, 1, 2, 1]);
 }
 
 /// A cache of more than 2048 positions is read by several tasks per batch element, a part of
 /// its positions each, whose softmaxes are merged: as the widened cache gives them.
 #[test]
 fn a_long_compressed_cache_read_in_parts_equals_it_widened() {
-    // The first element's 2300 positions are read in two parts, the second's 1600 in one.
-    left_padded_prompts_then_steps(62, &[0, 700], 2300, &[1, 3, 1]);
+    // The first element's 2300 positions are read in two parts, the second's 1600 in one; a
+    // window of 2100 has the first element's rows see positions of both parts.
+    let mut configs = configs();
+    configs.push((
+        "gqa+window 2100+softcap+sinks",
+        MultiHeadAttentionConfig::new(D_MODEL, 4)
+            .with_n_kv_heads(Some(2))
+            .with_window(Some(2100))
+            .with_softcap(Some(2.0))
+            .with_attention_sinks(true),
+    ));
+    left_padded_prompts_then_steps(&configs, 62, &[0, 700], 2300, &[1, 3, 1]);
 }
 
 /// Steps the in-place kernel does not take (padding of new keys, an attention mask) go to

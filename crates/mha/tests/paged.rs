@@ -7,7 +7,9 @@ mod common;
 use std::collections::BTreeMap;
 
 use burn::tensor::{DType, Device, Tensor};
-use common::{assert_close, device_by_name, panic_message, randn, test_devices, tolerance};
+use common::{
+    assert_close, device_by_name, panic_message, randn, test_devices, tolerance, with_random_sinks,
+};
 use mha::transformer::{
     PagedTransformerCache, TransformerEncoder, TransformerEncoderCache, TransformerEncoderInput,
 };
@@ -772,15 +774,26 @@ fn long_sequences_read_in_several_windows_of_blocks_equal_decoding_them_alone() 
 /// Sequences of more than 2048 positions are read by several tasks, a part of their positions
 /// each, whose softmaxes are merged: each step equals decoding the sequence alone through the
 /// flash kernel (over the cache widened, for f16 and int8), prompts and decoding steps beside
-/// one another, in every storage, on both CPU backends.
+/// one another, in every storage, on both CPU backends, with random learned sinks and a window
+/// wider than a part.
 #[test]
 fn long_sequences_read_in_parts_by_several_tasks_equal_decoding_them_alone() {
+    // The configurations the native kernel takes (no appended key positions), and a window
+    // whose rows see positions of several parts.
+    let mut configs: Vec<_> = configs().into_iter().take(7).collect();
+    configs.push((
+        "gqa+window 2500+softcap+sinks",
+        MultiHeadAttentionConfig::new(D_MODEL, 4)
+            .with_n_kv_heads(Some(2))
+            .with_window(Some(2500))
+            .with_softcap(Some(2.0))
+            .with_attention_sinks(true),
+    ));
     for name in ["flex", "ndarray"] {
         let device = device_by_name(name).unwrap();
         let _seed = common::seed(&device, 39);
-        // The configurations the native kernel takes (no appended key positions).
-        for (label, config) in configs().into_iter().take(7) {
-            let module = config.init(&device);
+        for (label, config) in configs.clone() {
+            let module = with_random_sinks(config.init(&device), &device);
             for storage in storages(&device) {
                 let paged = PagedKvCacheConfig::new(512)
                     .with_block_size(16)

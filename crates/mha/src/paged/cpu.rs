@@ -611,13 +611,13 @@ fn paged_attention<B: CpuStorage>(
     };
     check_inputs(&views, new_key.shape(), sizes, pool_blocks, key_dim, params);
     let tasks = parts::tasks(&params.sequences, block_size, params.window);
-    let task_output = |task: &Task| task_softmaxes(&views, sizes, params, task);
+    let softmaxes = |task: &Task| task_softmaxes(&views, sizes, params, task);
     // One task (a short sequence's decoding step) runs on the calling thread: handing it to
     // rayon's would only add the handover.
     let partials: Vec<PartialRows> = if tasks.len() == 1 {
-        vec![task_output(&tasks[0])]
+        vec![softmaxes(&tasks[0])]
     } else {
-        tasks.par_iter().map(task_output).collect()
+        tasks.par_iter().map(softmaxes).collect()
     };
     // `[1, rows, n_heads, head_dim]`: each run of rows, whole, in place.
     let width = n_heads * head_dim;

@@ -195,6 +195,15 @@ pub fn randn<const D: usize>(shape: [usize; D], device: &Device) -> Tensor<D> {
     Tensor::random(shape, Distribution::Normal(0.0, 1.0), device)
 }
 
+/// `module` with random learned sinks where it has sinks (they start at zero, which would hide
+/// a sink counted twice or in the wrong head).
+pub fn with_random_sinks(mut module: MultiHeadAttention, device: &Device) -> MultiHeadAttention {
+    if module.sinks.is_some() {
+        module.sinks = Some(Param::from_tensor(randn([module.n_heads()], device)));
+    }
+    module
+}
+
 /// All values finite?
 pub fn all_finite<const D: usize>(t: Tensor<D>) -> bool {
     t.into_data()

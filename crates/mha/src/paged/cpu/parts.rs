@@ -28,6 +28,7 @@ pub(super) const MIN_PART_POSITIONS: usize = 1024;
 /// One task of a paged call.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) struct Task<'a> {
+    /// The sequence whose rows and positions these are.
     pub sequence: &'a PagedSequence,
     /// The step's rows it computes, rows of `sequence`.
     pub rows: Range<usize>,
@@ -36,9 +37,10 @@ pub(super) struct Task<'a> {
 }
 
 impl Task<'_> {
-    /// Whether `self` and `other` compute the same rows (parts of one run of rows).
+    /// Whether `self` and `other` compute the same rows of the same sequence (parts of one run
+    /// of rows).
     fn same_rows(&self, other: &Task) -> bool {
-        self.rows == other.rows
+        std::ptr::eq(self.sequence, other.sequence) && self.rows == other.rows
     }
 }
 
@@ -76,7 +78,10 @@ pub(super) fn tasks<'a>(
 }
 
 /// `span` cut into `len / MIN_PART_POSITIONS` parts (at least one) of about equal length, at
-/// the boundaries of the tiles the kernel reads, so that every part reads whole tiles.
+/// the boundaries of the tiles the kernel reads, so that every part reads whole tiles: cut `i`
+/// at the first tile's end at or past `i / count` of the span (not a part's length past the
+/// last cut, whose overshoots would add up and leave a last part of a few positions), so that
+/// every part is within a tile of `len / count`.
 fn parts(
     sequence: &PagedSequence,
     block_size: usize,
@@ -86,13 +91,12 @@ fn parts(
     let mut cuts = Vec::with_capacity(count + 1);
     cuts.push(span.start);
     if count > 1 {
-        let target = span.len().div_ceil(count);
-        let mut start = span.start;
+        let mut next = 1;
         for chunk in chunks(sequence, block_size, span.clone()) {
             let end = chunk.positions.end;
-            if end - start >= target && end < span.end {
+            if next < count && end < span.end && end - span.start >= next * span.len() / count {
                 cuts.push(end);
-                start = end;
+                next += 1;
             }
         }
     }
@@ -150,13 +154,13 @@ impl PartialRows {
     /// The rows' outputs `[rows, n_heads, head_dim]`: each head's weighted sum divided by its
     /// softmax sum, the sink's term (if any) added first.
     pub fn normalized(mut self, params: &PagedParams, head_dim: usize) -> Vec<f32> {
-        let n_heads = params.sinks.as_ref().map(|sinks| sinks.len());
+        // One output per (row, query head), row-major; the sinks one per query head.
         let head_outputs = self.outputs.chunks_exact_mut(head_dim);
-        for (head, output) in head_outputs.enumerate() {
-            let (mut max, mut sum) = (self.maxima[head], self.sums[head]);
+        for (row_head, output) in head_outputs.enumerate() {
+            let (mut max, mut sum) = (self.maxima[row_head], self.sums[row_head]);
             let mut scale = 1.0;
-            if let (Some(sinks), Some(n_heads)) = (&params.sinks, n_heads) {
-                let sink = sinks[head % n_heads];
+            if let Some(sinks) = &params.sinks {
+                let sink = sinks[row_head % sinks.len()];
                 let with_sink = max.max(sink);
                 scale = (max - with_sink).exp();
                 sum = sum * scale + (sink - with_sink).exp();
@@ -238,6 +242,35 @@ mod tests {
     }
 
     #[test]
+    fn parts_stay_within_a_tile_of_an_equal_share_however_many() {
+        // 65536 positions in tiles of 16: 64 parts; a buffer of 16383 in tiles of 64: 15.
+        for (past, block_size, tile) in [(65535, 16, 16), (16382, 16384, 64)] {
+            let sequence = PagedSequence {
+                rows: 0..1,
+                past,
+                blocks: (0..(past + 1).div_ceil(block_size)).collect(),
+                hidden: 0,
+            };
+            let planned = tasks(std::slice::from_ref(&sequence), block_size, None);
+            let share = (past + 1) / planned.len();
+            assert_eq!(planned.len(), (past + 1) / MIN_PART_POSITIONS);
+            assert_eq!(planned[0].positions.start, 0);
+            assert_eq!(planned[planned.len() - 1].positions.end, past + 1);
+            for pair in planned.windows(2) {
+                assert_eq!(pair[0].positions.end, pair[1].positions.start);
+            }
+            for task in &planned {
+                let len = task.positions.len();
+                assert!(
+                    len + tile >= share && len <= share + tile,
+                    "{:?} against a share of {share}",
+                    task.positions
+                );
+            }
+        }
+    }
+
+    #[test]
     fn parts_cover_the_rows_span_past_padding_and_a_window_and_cut_at_tiles() {
         // Hidden padding: the span starts at 37; a block of 4096 is read in tiles of 64 from
         // there.
@@ -304,8 +337,18 @@ mod tests {
         let mut merged = partial(0..2);
         merged.merge(&partial(2..3), 2);
         let merged = merged.normalized(&params(None), 2);
-        for (a, b) in whole.iter().zip(&merged) {
-            assert!((a - b).abs() < 1e-6, "{whole:?} against {merged:?}");
+        // The other way round (the part merged in empty for the second head), and in three.
+        let mut reversed = partial(2..3);
+        reversed.merge(&partial(0..2), 2);
+        let reversed = reversed.normalized(&params(None), 2);
+        let mut three = partial(0..1);
+        three.merge(&partial(1..2), 2);
+        three.merge(&partial(2..3), 2);
+        let three = three.normalized(&params(None), 2);
+        for other in [&merged, &reversed, &three] {
+            for (a, b) in whole.iter().zip(other) {
+                assert!((a - b).abs() < 1e-6, "{whole:?} against {other:?}");
+            }
         }
         // The second head sees position 2 only.
         assert_eq!(&merged[2..], &values[2]);
@@ -319,13 +362,21 @@ mod tests {
         let sequences = [sequence(10, 0..1, 0), sequence(3000, 1..2, 0)];
         let planned = tasks(&sequences, 16, None);
         assert_eq!(planned.len(), 3);
-        let partial = |max: f32, value: f32| PartialRows {
+        let partial = |max: f32, sum: f32, value: f32| PartialRows {
             maxima: vec![max],
-            sums: vec![1.0],
+            sums: vec![sum],
             outputs: vec![value],
         };
-        let partials = vec![partial(0.0, 5.0), partial(0.0, 1.0), partial(0.0, 3.0)];
+        // The second sequence's parts at different maxima: rescaled to the larger.
+        let partials = vec![
+            partial(0.0, 1.0, 5.0),
+            partial(1.0, 2.0, 4.0),
+            partial(0.0, 1.0, 3.0),
+        ];
         let outputs: Vec<_> = merged_outputs(&planned, partials, &params(None), 1).collect();
-        assert_eq!(outputs, [(0..1, vec![5.0]), (1..2, vec![2.0])]);
+        let second = (4.0 + 3.0 / std::f32::consts::E) / (2.0 + 1.0 / std::f32::consts::E);
+        assert_eq!(outputs[0], (0..1, vec![5.0]));
+        assert_eq!(outputs[1].0, 1..2);
+        assert!((outputs[1].1[0] - second).abs() < 1e-6, "{outputs:?}");
     }
 }

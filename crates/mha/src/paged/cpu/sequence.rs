@@ -18,6 +18,7 @@ use crate::cpu::simd;
 /// stored block's (or part of one), or the step's new rows.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) struct Chunk {
+    /// The sequence's positions the tile holds.
     pub positions: Range<usize>,
     source: ChunkSource,
 }
