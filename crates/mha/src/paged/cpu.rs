@@ -9,7 +9,7 @@
 //! rayon's threads) and a part of the positions they see (a long sequence's spread too): each
 //! tile of keys and values is read by all its rows, each key/value head's query heads share
 //! every key and value row they read (GQA without copies), and the parts of a run of rows are
-//! merged at the end (`parts`).
+//! merged at the end (`plan`, `merge`).
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -28,11 +28,13 @@ use crate::cpu::matrix::{HeadIndex, HeadsView, Matrix, transposed_copy};
 use crate::cpu::storage::{CpuStorage, native_storage};
 use crate::module::MultiHeadAttention;
 
-mod parts;
+mod merge;
+mod plan;
 mod sequence;
 mod write;
 
-use parts::{PartialRows, Task};
+use merge::PartialRows;
+use plan::Task;
 use sequence::task_softmaxes;
 pub(crate) use write::{PoolWrite, Slot, native_write};
 
@@ -610,7 +612,7 @@ fn paged_attention<B: CpuStorage>(
         block_size,
     };
     check_inputs(&views, new_key.shape(), sizes, pool_blocks, key_dim, params);
-    let tasks = parts::tasks(&params.sequences, block_size, params.window);
+    let tasks = plan::tasks(&params.sequences, block_size, params.window);
     let softmaxes = |task: &Task| task_softmaxes(&views, sizes, params, task);
     // One task (a short sequence's decoding step) runs on the calling thread: handing it to
     // rayon's would only add the handover.
@@ -622,7 +624,7 @@ fn paged_attention<B: CpuStorage>(
     // `[1, rows, n_heads, head_dim]`: each run of rows, whole, in place.
     let width = n_heads * head_dim;
     let mut output = vec![0.0f32; rows * width];
-    for (rows, result) in parts::merged_outputs(&tasks, partials, params, head_dim) {
+    for (rows, result) in merge::merged_outputs(&tasks, partials, params, head_dim) {
         output[rows.start * width..rows.end * width].copy_from_slice(&result);
     }
     B::sequence_major(output, [1, n_heads, rows, head_dim])

@@ -9,90 +9,11 @@ use std::ops::Range;
 
 use burn::tensor::f16;
 
-use super::parts::{PartialRows, Task, visible};
+use super::merge::PartialRows;
+use super::plan::{Chunk, ChunkSource, Task, chunks, tile_positions, visible};
 use super::{PagedParams, PagedSequence, PoolViews, Sizes, Views};
 use crate::cpu::matrix::{HeadIndex, HeadsView, Matrix};
 use crate::cpu::simd;
-
-/// Consecutive positions of a sequence that one tile covers, for every key/value head: a
-/// stored block's (or part of one), or the step's new rows.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) struct Chunk {
-    /// The sequence's positions the tile holds.
-    pub positions: Range<usize>,
-    source: ChunkSource,
-}
-
-/// Where a chunk's keys and values lie.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum ChunkSource {
-    /// Index `index` of the block table, from `offset` positions into the block.
-    Stored { index: usize, offset: usize },
-    /// The step's rows from `row` on.
-    New { row: usize },
-}
-
-/// Positions a tile holds at most: a paged pool's block (16 by default) is one tile; a
-/// [`KvCache`](crate::KvCache)'s buffer, which the kernel reads as one block per sequence, is
-/// read in tiles of this many positions, so that the prefetch ahead ([`PREFETCH_BYTES`])
-/// follows the sequence tile by tile.
-const MAX_TILE_POSITIONS: usize = 64;
-
-/// The positions of a tile of blocks of `block_size`.
-fn tile_positions(block_size: usize) -> usize {
-    block_size.clamp(1, MAX_TILE_POSITIONS)
-}
-
-/// The chunks rows of `sequence` that see positions `visible` read, in order: its stored
-/// positions block by block (in tiles of at most [`MAX_TILE_POSITIONS`]), then the step's new
-/// ones, a tile at a time.
-pub(super) fn chunks(
-    sequence: &PagedSequence,
-    block_size: usize,
-    visible: Range<usize>,
-) -> impl Iterator<Item = Chunk> + '_ {
-    let tile = tile_positions(block_size);
-    let stored = visible.start..visible.end.min(sequence.past);
-    let blocks = if stored.is_empty() {
-        0..0
-    } else {
-        stored.start / block_size..stored.end.div_ceil(block_size)
-    };
-    let stored_chunks = blocks.flat_map(move |index| {
-        let first = (index * block_size).max(stored.start);
-        let end = ((index + 1) * block_size).min(stored.end);
-        (first..end).step_by(tile).map(move |start| Chunk {
-            positions: start..(start + tile).min(end),
-            source: ChunkSource::Stored {
-                index,
-                offset: start - index * block_size,
-            },
-        })
-    });
-    let new = visible.start.max(sequence.past)..visible.end;
-    let new_chunks = new.clone().step_by(tile).map(move |first| Chunk {
-        positions: first..(first + tile).min(new.end),
-        source: ChunkSource::New {
-            row: sequence.rows.start + first - sequence.past,
-        },
-    });
-    stored_chunks.chain(new_chunks)
-}
-
-impl Chunk {
-    /// The part of the chunk at `positions` (inside it).
-    fn narrowed(&self, positions: Range<usize>) -> Chunk {
-        let skipped = positions.start - self.positions.start;
-        let source = match self.source {
-            ChunkSource::Stored { index, offset } => ChunkSource::Stored {
-                index,
-                offset: offset + skipped,
-            },
-            ChunkSource::New { row } => ChunkSource::New { row: row + skipped },
-        };
-        Chunk { positions, source }
-    }
-}
 
 /// One chunk's keys and values of one key/value head, where they lie: f32, f16, or the i8 of
 /// an int8 pool's block and its scales.
