@@ -6,7 +6,7 @@
 mod common;
 
 use burn::tensor::{Bool, DType, Device, Tensor, TensorData};
-use common::{assert_close, device_by_name, randn, with_random_sinks};
+use common::{assert_close, device_by_name, randn, window_softcap_sinks, with_random_sinks};
 use mha::{
     AttentionPath, BlockSizes, CacheLimit, CacheStorage, KvCache, MhaInput, MultiHeadAttention,
     MultiHeadAttentionConfig, RopeConfig,
@@ -28,14 +28,7 @@ fn configs() -> Vec<(&'static str, MultiHeadAttentionConfig)> {
             "mqa+alibi",
             base.clone().with_n_kv_heads(Some(1)).with_alibi(true),
         ),
-        (
-            "gqa+window+softcap+sinks",
-            base.clone()
-                .with_n_kv_heads(Some(2))
-                .with_window(Some(5))
-                .with_softcap(Some(2.0))
-                .with_attention_sinks(true),
-        ),
+        ("gqa+window+softcap+sinks", window_softcap_sinks(D_MODEL, 5)),
         ("quiet", base.clone().with_quiet_softmax(true)),
         // Heads 16 wide: the kernel's AVX-512 path (whole 16-position parts).
         (
@@ -193,11 +186,7 @@ fn a_long_compressed_cache_read_in_parts_equals_it_widened() {
     let mut configs = configs();
     configs.push((
         "gqa+window 2100+softcap+sinks",
-        MultiHeadAttentionConfig::new(D_MODEL, 4)
-            .with_n_kv_heads(Some(2))
-            .with_window(Some(2100))
-            .with_softcap(Some(2.0))
-            .with_attention_sinks(true),
+        window_softcap_sinks(D_MODEL, 2100),
     ));
     left_padded_prompts_then_steps(&configs, 62, &[0, 700], 2300, &[1, 3, 1]);
 }

@@ -8,7 +8,8 @@ use std::collections::BTreeMap;
 
 use burn::tensor::{DType, Device, Tensor};
 use common::{
-    assert_close, device_by_name, panic_message, randn, test_devices, tolerance, with_random_sinks,
+    assert_close, device_by_name, panic_message, randn, test_devices, tolerance,
+    window_softcap_sinks, with_random_sinks,
 };
 use mha::transformer::{
     PagedTransformerCache, TransformerEncoder, TransformerEncoderCache, TransformerEncoderInput,
@@ -45,14 +46,7 @@ fn configs() -> Vec<(&'static str, MultiHeadAttentionConfig)> {
             "mha+alibi+softcap",
             base.clone().with_alibi(true).with_softcap(Some(1.5)),
         ),
-        (
-            "gqa+window+softcap+sinks",
-            base.clone()
-                .with_n_kv_heads(Some(2))
-                .with_window(Some(3))
-                .with_softcap(Some(2.0))
-                .with_attention_sinks(true),
-        ),
+        ("gqa+window+softcap+sinks", window_softcap_sinks(D_MODEL, 3)),
         ("quiet", base.clone().with_quiet_softmax(true)),
         (
             "bias_kv+zero_attn",
@@ -783,11 +777,7 @@ fn long_sequences_read_in_parts_by_several_tasks_equal_decoding_them_alone() {
     let mut configs: Vec<_> = configs().into_iter().take(7).collect();
     configs.push((
         "gqa+window 2500+softcap+sinks",
-        MultiHeadAttentionConfig::new(D_MODEL, 4)
-            .with_n_kv_heads(Some(2))
-            .with_window(Some(2500))
-            .with_softcap(Some(2.0))
-            .with_attention_sinks(true),
+        window_softcap_sinks(D_MODEL, 2500),
     ));
     for name in ["flex", "ndarray"] {
         let device = device_by_name(name).unwrap();

@@ -195,6 +195,16 @@ pub fn randn<const D: usize>(shape: [usize; D], device: &Device) -> Tensor<D> {
     Tensor::random(shape, Distribution::Normal(0.0, 1.0), device)
 }
 
+/// Grouped heads (4 query, 2 key/value) `d_model` wide under a sliding `window`, a soft cap of
+/// 2 and learned sinks: every score feature the in-place kernels apply per position at once.
+pub fn window_softcap_sinks(d_model: usize, window: usize) -> MultiHeadAttentionConfig {
+    MultiHeadAttentionConfig::new(d_model, 4)
+        .with_n_kv_heads(Some(2))
+        .with_window(Some(window))
+        .with_softcap(Some(2.0))
+        .with_attention_sinks(true)
+}
+
 /// `module` with random learned sinks where it has sinks (they start at zero, which would hide
 /// a sink counted twice or in the wrong head).
 pub fn with_random_sinks(mut module: MultiHeadAttention, device: &Device) -> MultiHeadAttention {
