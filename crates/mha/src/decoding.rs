@@ -199,12 +199,7 @@ impl MultiHeadAttention {
             Some(padding) => Some(left_padding(padding, buffers.stored)?),
             None => None,
         };
-        let heads = StepHeads {
-            query: heads.query.clone(),
-            key: heads.key.clone(),
-            value: heads.value.clone(),
-        };
-        native_cached_attention(self, heads, buffers, step.window, hidden.as_deref())
+        native_cached_attention(self, heads.clone(), buffers, step.window, hidden.as_deref())
     }
 
     /// Projects an encoder's memory once for a decoder's cross-attention; reuse the result at

@@ -215,12 +215,7 @@ pub(crate) fn native_paged_attention(
         .collect();
     let params = kernel_params(module, &heads.query, sequences, module.window)?;
     let pool = PoolRefs::of(key_store.stored(), value_store.stored())?;
-    let new = StepHeads {
-        query: heads.query.clone(),
-        key: heads.key.clone(),
-        value: heads.value.clone(),
-    };
-    run_kernel(pool, new, params)
+    run_kernel(pool, heads.clone(), params)
 }
 
 /// The context heads `[batch, n_heads, new, head_dim]` of a decoding step over a compressed

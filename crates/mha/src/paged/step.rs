@@ -12,6 +12,7 @@ use crate::shape::check_shape;
 
 /// A step's projected heads: queries `[1, n_heads, rows, head_dim]`, the new keys and values
 /// `[1, n_kv_heads, rows, head_dim]`.
+#[derive(Clone)]
 pub(crate) struct StepHeads {
     pub query: Tensor<4>,
     pub key: Tensor<4>,
