@@ -1,6 +1,6 @@
 //! Decoding speed against the memory-bandwidth bound: one token at a time, batch 1, with the KV
 //! cache at 512, 4096 and 16384 cached positions in each storage (f32, f16, int8; d_model 512,
-//! 8 query heads, 2 key/value heads, flex), beside the bytes each step must read (the cached
+//! 8 query heads, 2 key/value heads unless `--kv-heads` says otherwise, flex), beside the bytes each step must read (the cached
 //! keys and values as stored, and the four projection weights) and the time reading that many
 //! bytes takes at this machine's measured read bandwidth on one thread: a short step runs on
 //! one; a long one is spread over rayon's threads (the flash kernel's heads in f32, parts of
@@ -11,7 +11,7 @@
 //!
 //! `cargo bench --workspace --features burn-mha/wgpu,train-demo/ndarray,train-demo/wgpu --bench decoding`
 //! (options: `--positions 512,4096,16384`, `--steps 64`, `--concurrent 1,8,32`, `--rounds 16`, `--block-size 16`,
-//! `--ways paged,padded,single`, `--storage float,half,int8`, `--layers 1`;
+//! `--ways paged,padded,single`, `--storage float,half,int8`, `--layers 1`, `--kv-heads 2`;
 //! an empty list skips its table).
 
 use std::time::Instant;
@@ -24,7 +24,6 @@ mod concurrent;
 
 const D_MODEL: usize = 512;
 const HEADS: usize = 8;
-const KV_HEADS: usize = 2;
 
 /// Bytes per second read by summing a 256 MiB buffer (far larger than the caches) on `threads`
 /// threads, each its own slice, best of five.
@@ -101,6 +100,9 @@ struct Options {
     storages: Vec<mha::CacheStorage>,
     /// Attention layers the many-sequence table stacks.
     layers: usize,
+    /// Key/value heads of every layer: 2 (four query heads share each), or 8 for plain
+    /// multi-head attention.
+    kv_heads: usize,
 }
 
 impl Options {
@@ -118,6 +120,7 @@ impl Options {
                 mha::CacheStorage::Int8,
             ],
             layers: 1,
+            kv_heads: 2,
         };
         let list = |text: String, name: &str| -> Vec<usize> {
             text.split(',')
@@ -136,6 +139,13 @@ impl Options {
                 "--layers" => {
                     options.layers = value().parse().expect("--layers: a number");
                     assert!(options.layers > 0, "--layers: at least 1");
+                }
+                "--kv-heads" => {
+                    options.kv_heads = value().parse().expect("--kv-heads: a number");
+                    assert!(
+                        options.kv_heads > 0 && HEADS.is_multiple_of(options.kv_heads),
+                        "--kv-heads: a divisor of {HEADS}"
+                    );
                 }
                 "--block-size" => {
                     options.block_size = value().parse().expect("--block-size: a number")
@@ -165,8 +175,9 @@ fn main() {
     let options = Options::from_args();
     let device = Device::flex();
     device.seed(0);
+    let kv_heads = options.kv_heads;
     let module = MultiHeadAttentionConfig::new(D_MODEL, HEADS)
-        .with_n_kv_heads(Some(KV_HEADS))
+        .with_n_kv_heads(Some(kv_heads))
         .init(&device);
     // A short batch-1 decoding step runs on one thread; a step over many sequences on all of
     // rayon's (a task per sequence, or per part of a long one's positions, a thread per core
@@ -176,7 +187,7 @@ fn main() {
     let (one_thread, all_threads) = (read_bandwidth(1), read_bandwidth(threads));
     let head_dim = D_MODEL / HEADS;
     println!(
-        "flex, d_model {D_MODEL}, {HEADS} query / {KV_HEADS} key-value heads, f32; read \
+        "flex, d_model {D_MODEL}, {HEADS} query / {kv_heads} key-value heads, f32; read \
          bandwidth {:.1} GB/s on one thread, {:.1} GB/s on {threads} (sum of a 256 MiB buffer, \
          best of 5): the first is the one-sequence table's bound, the second the many-sequence \
          table's",
@@ -198,7 +209,7 @@ fn main() {
     }
     let sizes = concurrent::Sizes {
         d_model: D_MODEL,
-        kv_heads: KV_HEADS,
+        kv_heads,
         head_dim,
         block_size: options.block_size,
     };
@@ -213,7 +224,7 @@ fn main() {
         let mut layers = vec![module];
         layers.extend((1..options.layers).map(|_| {
             MultiHeadAttentionConfig::new(D_MODEL, HEADS)
-                .with_n_kv_heads(Some(KV_HEADS))
+                .with_n_kv_heads(Some(kv_heads))
                 .init(&device)
         }));
         concurrent::table(&layers, &sizes, &runs, all_threads, &device);
@@ -228,8 +239,8 @@ fn one_sequence_table(
     device: &Device,
 ) {
     let steps = options.steps;
-    let head_dim = D_MODEL / HEADS;
-    let weight_bytes = 4 * (2 * D_MODEL * D_MODEL + 2 * D_MODEL * KV_HEADS * head_dim);
+    let (head_dim, kv_heads) = (D_MODEL / HEADS, options.kv_heads);
+    let weight_bytes = 4 * (2 * D_MODEL * D_MODEL + 2 * D_MODEL * kv_heads * head_dim);
     println!("\nbatch 1, median of {steps} steps\n");
     println!(
         "| storage | cached positions | ms per token | bytes a step must read | at {:.1} GB/s, ms | time / bound |",
@@ -260,7 +271,7 @@ fn one_sequence_table(
         times.sort_by(f64::total_cmp);
         let median = times[steps / 2];
         // The keys and values of every cached position as stored, and the projection weights.
-        let bytes = cached * concurrent::position_bytes(storage, KV_HEADS, head_dim) + weight_bytes;
+        let bytes = cached * concurrent::position_bytes(storage, kv_heads, head_dim) + weight_bytes;
         let bound = bytes as f64 / bandwidth;
         println!(
             "| {storage:?} | {cached} | {:.3} | {:.1} MB | {:.3} | {:.1}x |",

@@ -18,7 +18,8 @@ macro_rules! dispatch {
                 fn avx512($($arg: $ty),*) -> $ret {
                     portable::<true>($($arg),*)
                 }
-                #[target_feature(enable = "avx2,fma")]
+                // F16C too (every AVX2 CPU has it), for the f16 conversions inlined here.
+                #[target_feature(enable = "avx2,fma,f16c")]
                 fn avx2($($arg: $ty),*) -> $ret {
                     portable::<true>($($arg),*)
                 }
@@ -28,6 +29,7 @@ macro_rules! dispatch {
                 }
                 if std::arch::is_x86_feature_detected!("avx2")
                     && std::arch::is_x86_feature_detected!("fma")
+                    && std::arch::is_x86_feature_detected!("f16c")
                 {
                     // SAFETY: as above.
                     return unsafe { avx2($($arg),*) };

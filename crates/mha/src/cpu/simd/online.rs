@@ -29,16 +29,68 @@ pub(crate) trait TileElement: Copy {
     const HALF: bool = false;
 
     fn float(self) -> f32;
+
+    /// `values` as f32s (for f16, eight at a time where the CPU converts them).
+    #[inline(always)]
+    fn floats<const N: usize>(values: &[Self; N]) -> [f32; N] {
+        values.map(Self::float)
+    }
 }
 
 impl TileElement for burn::tensor::f16 {
     const INT8: bool = false;
     const HALF: bool = true;
 
+    /// In integer operations the loops vectorise: `f16::to_f32` is a call per element that
+    /// checks the CPU for F16C, which made an f16 tile through the lane loops ten times an f32
+    /// tile's time (on AVX2 machines every f16 tile; on AVX-512 ones those with a soft cap or
+    /// ALiBi, and the last positions of a sequence).
     #[inline(always)]
     fn float(self) -> f32 {
-        self.to_f32()
+        super::widen::half_bits_to_f32(self.to_bits())
     }
+
+    #[inline(always)]
+    fn floats<const N: usize>(values: &[Self; N]) -> [f32; N] {
+        #[cfg(target_arch = "x86_64")]
+        if N.is_multiple_of(8) && std::arch::is_x86_feature_detected!("f16c") {
+            // SAFETY: the CPU has F16C.
+            return unsafe { f16c_floats(values) };
+        }
+        values.map(Self::float)
+    }
+}
+
+/// `values` converted eight at a time by F16C (every AVX2 CPU has it).
+///
+/// # Safety
+///
+/// The CPU has F16C.
+///
+/// # Panics
+///
+/// If `N` is not a multiple of 8.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "f16c")]
+unsafe fn f16c_floats<const N: usize>(values: &[burn::tensor::f16; N]) -> [f32; N] {
+    use std::arch::x86_64::{_mm_loadu_si128, _mm256_cvtph_ps, _mm256_storeu_ps};
+    assert!(
+        N.is_multiple_of(8),
+        "f16c_floats: {N} is not a multiple of 8"
+    );
+    let mut floats = [0.0f32; N];
+    for (out, halves) in floats.chunks_exact_mut(8).zip(values.chunks_exact(8)) {
+        // SAFETY: F16C is the caller's; `halves` is eight f16s (16 bytes read), `out` eight
+        // f32s (32 bytes written).
+        unsafe {
+            _mm256_storeu_ps(
+                out.as_mut_ptr(),
+                _mm256_cvtph_ps(_mm_loadu_si128(halves.as_ptr().cast())),
+            )
+        };
+    }
+    floats
 }
 
 impl TileElement for f32 {
@@ -355,7 +407,11 @@ fn attend_parts<const FMA: bool, E: TileElement>(
             unsafe { avx512::attend_part(row, tile, scales, part) };
             continue;
         }
-        attend_part::<FMA, E>(row, tile, scales, rule, part);
+        match part.heads {
+            1 => attend_part::<FMA, E, 1>(row, tile, scales, rule, part),
+            2 => attend_part::<FMA, E, 2>(row, tile, scales, rule, part),
+            _ => attend_part::<FMA, E, HEADS>(row, tile, scales, rule, part),
+        }
     }
 }
 
@@ -393,13 +449,14 @@ struct TilePart {
     value_dim: usize,
 }
 
-/// [`attend_tile`] on one part of the tile.
+/// [`attend_tile`] on one part of the tile, computing `H` query heads (at least `part.heads`:
+/// 1, 2, or [`HEADS`] for more, so that a part of one or two heads does not pay for four).
 ///
 /// Every loop over a fixed-size array has constant bounds (heads past `part.heads` are computed
 /// and dropped, lanes past `part.lanes` masked), so that the arrays stay in registers: with
 /// bounds taken from `part` they went through the stack.
 #[inline(always)]
-fn attend_part<const FMA: bool, E: TileElement>(
+fn attend_part<const FMA: bool, E: TileElement, const H: usize>(
     row: &mut OnlineRow,
     tile: &KeyTile<E>,
     scales: Option<&TileScales>,
@@ -409,9 +466,9 @@ fn attend_part<const FMA: bool, E: TileElement>(
     // The next tile asked for once per part of its positions (by the part of the first heads).
     let ahead = row.ahead.filter(|_| part.head == 0);
     let mut logits = if part.lanes == LANES {
-        column_scores::<FMA, E>(row.queries, tile, part, ahead.as_ref())
+        column_scores::<FMA, E, H>(row.queries, tile, part, ahead.as_ref())
     } else {
-        any_scores::<FMA, E>(row.queries, tile, part)
+        any_scores::<FMA, E, H>(row.queries, tile, part)
     };
     if let Some(scales) = scales {
         for logits in &mut logits {
@@ -436,8 +493,8 @@ fn attend_part<const FMA: bool, E: TileElement>(
             }
         }
     }
-    let mut corrections = [1.0f32; HEADS];
-    for h in 0..HEADS {
+    let mut corrections = [1.0f32; H];
+    for h in 0..H {
         let logits = &mut logits[h];
         for (lane, logit) in logits.iter_mut().enumerate() {
             if lane >= part.lanes {
@@ -470,12 +527,12 @@ fn attend_part<const FMA: bool, E: TileElement>(
             ahead.value_row(part.first + lane, part.value_dim);
         }
     }
-    weighted_values::<FMA, E>(row.outputs, tile, part, &logits, &corrections);
+    weighted_values::<FMA, E, H>(row.outputs, tile, part, &logits, &corrections);
 }
 
-/// Query heads `part.head..` (the last repeated up to [`HEADS`]), each `part.dim` wide.
+/// Query heads `part.head..` (the last repeated up to `H`), each `part.dim` wide.
 #[inline(always)]
-fn part_queries(queries: &[f32], part: TilePart) -> [&[f32]; HEADS] {
+fn part_queries<const H: usize>(queries: &[f32], part: TilePart) -> [&[f32]; H] {
     std::array::from_fn(|h| {
         let head = part.head + h.min(part.heads - 1);
         &queries[head * part.dim..][..part.dim]
@@ -484,14 +541,14 @@ fn part_queries(queries: &[f32], part: TilePart) -> [&[f32]; HEADS] {
 
 /// The scores `[head][lane]` of a whole part of feature-major keys ([`LANES`] positions).
 #[inline(always)]
-fn column_scores<const FMA: bool, E: TileElement>(
+fn column_scores<const FMA: bool, E: TileElement, const H: usize>(
     queries: &[f32],
     tile: &KeyTile<E>,
     part: TilePart,
     ahead: Option<&Ahead>,
-) -> [[f32; LANES]; HEADS] {
-    let query = part_queries(queries, part);
-    let mut sums = [[0.0f32; LANES]; HEADS];
+) -> [[f32; LANES]; H] {
+    let query = part_queries::<H>(queries, part);
+    let mut sums = [[0.0f32; LANES]; H];
     for feature in 0..part.dim {
         if let Some(ahead) = ahead {
             ahead.key_line(feature, part.first);
@@ -500,8 +557,8 @@ fn column_scores<const FMA: bool, E: TileElement>(
         let keys: &[E; LANES] = tile.keys[start..start + LANES]
             .try_into()
             .expect("a lane chunk");
-        let keys = keys.map(E::float);
-        for h in 0..HEADS {
+        let keys = E::floats(keys);
+        for h in 0..H {
             let weight = query[h][feature];
             for lane in 0..LANES {
                 sums[h][lane] = mul_add::<FMA>(weight, keys[lane], sums[h][lane]);
@@ -514,13 +571,13 @@ fn column_scores<const FMA: bool, E: TileElement>(
 /// The scores `[head][lane]` of any part (a last, partial block; the step's new rows), lanes
 /// past `part.lanes` left 0: one dot product per score.
 #[inline(always)]
-fn any_scores<const FMA: bool, E: TileElement>(
+fn any_scores<const FMA: bool, E: TileElement, const H: usize>(
     queries: &[f32],
     tile: &KeyTile<E>,
     part: TilePart,
-) -> [[f32; LANES]; HEADS] {
-    let query = part_queries(queries, part);
-    let mut sums = [[0.0f32; LANES]; HEADS];
+) -> [[f32; LANES]; H] {
+    let query = part_queries::<H>(queries, part);
+    let mut sums = [[0.0f32; LANES]; H];
     for lane in 0..part.lanes {
         let position = part.first + lane;
         for (h, query) in query.iter().enumerate() {
@@ -549,12 +606,12 @@ fn lane_max(mut lanes: [f32; LANES]) -> f32 {
 /// `outputs[head] ← outputs[head] · corrections[head] + Σ_lane weights[head][lane] · value[lane]`
 /// for the part's heads, [`VALUE_COLUMNS`] columns at a time.
 #[inline(always)]
-fn weighted_values<const FMA: bool, E: TileElement>(
+fn weighted_values<const FMA: bool, E: TileElement, const H: usize>(
     outputs: &mut [f32],
     tile: &KeyTile<E>,
     part: TilePart,
-    weights: &[[f32; LANES]; HEADS],
-    corrections: &[f32; HEADS],
+    weights: &[[f32; LANES]; H],
+    corrections: &[f32; H],
 ) {
     let value_dim = part.value_dim;
     let value = |lane: usize, start: usize, columns: usize| {
@@ -562,21 +619,21 @@ fn weighted_values<const FMA: bool, E: TileElement>(
     };
     let mut start = 0;
     while start + VALUE_COLUMNS <= value_dim {
-        let mut sums = [[0.0f32; VALUE_COLUMNS]; HEADS];
+        let mut sums = [[0.0f32; VALUE_COLUMNS]; H];
         for lane in 0..part.lanes {
             // Fixed-length rows, so that the sums stay in registers.
             let value: &[E; VALUE_COLUMNS] = value(lane, start, VALUE_COLUMNS)
                 .try_into()
                 .expect("a whole chunk");
-            let value = value.map(E::float);
-            for h in 0..HEADS {
+            let value = E::floats(value);
+            for h in 0..H {
                 let weight = weights[h][lane];
                 for column in 0..VALUE_COLUMNS {
                     sums[h][column] = mul_add::<FMA>(weight, value[column], sums[h][column]);
                 }
             }
         }
-        for h in 0..HEADS {
+        for h in 0..H {
             if h < part.heads {
                 let output = &mut outputs[(part.head + h) * value_dim + start..][..VALUE_COLUMNS];
                 for (output, &sum) in output.iter_mut().zip(&sums[h]) {

@@ -10,7 +10,7 @@ use super::NATIVE_FMA;
 /// operations without branches: the exponent rebiased, infinities and NaNs moved to f32's
 /// largest exponent, subnormals normalised by one subtraction (exact: the result is an f32).
 #[inline(always)]
-fn half_bits_to_f32(bits: u16) -> f32 {
+pub(crate) fn half_bits_to_f32(bits: u16) -> f32 {
     /// 2⁻¹⁴, f16's smallest normal.
     const MAGIC: f32 = f32::from_bits(113 << 23);
     /// f16's exponent field where the shift below puts it.

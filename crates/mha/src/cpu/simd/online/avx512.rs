@@ -65,7 +65,8 @@ fn scale_vector(scales: &[f32], stride: usize, first: usize) -> __m512 {
     unsafe { _mm512_loadu_ps(lanes.as_ptr()) }
 }
 
-/// [`super::attend_part`] for a part [`takes`] takes.
+/// [`super::attend_part`] for a part [`takes`] takes, through the instance of
+/// [`attend_heads`] for its number of heads.
 ///
 /// # Safety
 ///
@@ -81,6 +82,36 @@ pub(super) unsafe fn attend_part<E: TileElement>(
     scales: Option<&TileScales>,
     part: TilePart,
 ) {
+    // SAFETY: the caller's; each instance computes at least `part.heads` heads.
+    unsafe {
+        match part.heads {
+            1 => attend_heads::<E, 1, 8>(row, tile, scales, part),
+            2 => attend_heads::<E, 2, 4>(row, tile, scales, part),
+            _ => attend_heads::<E, HEADS, 2>(row, tile, scales, part),
+        }
+    }
+}
+
+/// [`attend_part`] computing `H` query heads (those past `part.heads` repeat the last and are
+/// dropped), each head's scores in `SPLITS` sums over every `SPLITS`-th feature, added at the
+/// end.
+///
+/// Why the splits: a sum of 64 features is a chain of 64 dependent FMAs (four cycles each); two
+/// FMA units need eight chains under way to stay busy, and with one query head per key/value
+/// head (plain multi-head attention) one chain per head left them idle most of the time. Why
+/// `H`: the part's heads only, where four were computed for one or two before.
+///
+/// # Safety
+///
+/// As [`attend_part`], and `part.heads ≤ H`.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn attend_heads<E: TileElement, const H: usize, const SPLITS: usize>(
+    row: &mut OnlineRow,
+    tile: &KeyTile<E>,
+    scales: Option<&TileScales>,
+    part: TilePart,
+) {
     let (dim, value_dim) = (part.dim, part.value_dim);
     let head_of = |h: usize| part.head + h.min(part.heads - 1);
     let lanes: __mmask16 = if part.lanes == LANES {
@@ -88,27 +119,41 @@ pub(super) unsafe fn attend_part<E: TileElement>(
     } else {
         (1u16 << part.lanes) - 1
     };
-    let mut scores = [_mm512_setzero_ps(); HEADS];
+    let mut split_scores = [[_mm512_setzero_ps(); SPLITS]; H];
     // SAFETY: the loads: feature `f < dim` of query head `head_of(h)` is in `row.queries`;
     // the key load reads lanes `< part.lanes` of row `f`, inside `tile.keys` (all 16 for
     // i8, which `takes` only takes whole).
     unsafe {
         let keys = tile.keys.as_ptr().add(part.first);
-        let queries: [*const f32; HEADS] =
+        let queries: [*const f32; H] =
             std::array::from_fn(|h| row.queries.as_ptr().add(head_of(h) * dim));
         // The next tile's keys, once per part of its positions (by its first heads).
         let ahead = row.ahead.filter(|_| part.head == 0);
-        for feature in 0..dim {
-            if let Some(ahead) = &ahead {
-                ahead.key_line(feature, part.first);
+        let mut first = 0;
+        while first < dim {
+            for split in 0..SPLITS {
+                let feature = first + split;
+                if feature < dim {
+                    if let Some(ahead) = &ahead {
+                        ahead.key_line(feature, part.first);
+                    }
+                    let key = load(keys.add(feature * tile.key_stride), lanes);
+                    for h in 0..H {
+                        let query = _mm512_set1_ps(*queries[h].add(feature));
+                        split_scores[h][split] =
+                            _mm512_fmadd_ps(query, key, split_scores[h][split]);
+                    }
+                }
             }
-            let key = load(keys.add(feature * tile.key_stride), lanes);
-            for h in 0..HEADS {
-                let query = _mm512_set1_ps(*queries[h].add(feature));
-                scores[h] = _mm512_fmadd_ps(query, key, scores[h]);
-            }
+            first += SPLITS;
         }
     }
+    let mut scores = split_scores.map(|splits| {
+        splits
+            .into_iter()
+            .reduce(|sum, split| _mm512_add_ps(sum, split))
+            .expect("at least one split")
+    });
     if let Some(scales) = scales {
         let key_scales = scale_vector(scales.keys, scales.key_stride, part.first);
         for score in &mut scores {
@@ -117,19 +162,23 @@ pub(super) unsafe fn attend_part<E: TileElement>(
     }
     let value_scales =
         scales.map(|scales| scale_vector(scales.values, scales.value_stride, part.first));
-    let mut weights = [[0.0f32; LANES]; HEADS];
-    let mut corrections = [1.0f32; HEADS];
-    for h in 0..part.heads {
-        let head = part.head + h;
+    let mut weights = [[0.0f32; LANES]; H];
+    let mut corrections = [1.0f32; H];
+    // Every head computed (the bound a constant, so that the heads' chains of reductions and
+    // exponentials interleave), the part's written back.
+    for h in 0..H {
+        let head = head_of(h);
         let logits = _mm512_mask_blend_ps(lanes, _mm512_set1_ps(f32::NEG_INFINITY), scores[h]);
         let max = row.maxima[head].max(_mm512_reduce_max_ps(logits));
         let exponentials =
             crate::cpu::simd::avx512::exp(_mm512_sub_ps(logits, _mm512_set1_ps(max)));
         // The first tile's correction is e^-∞ = 0, against sums that are still 0.
         let correction = super::exp::<true>(row.maxima[head] - max);
-        row.sums[head] = row.sums[head] * correction + _mm512_reduce_add_ps(exponentials);
-        row.maxima[head] = max;
-        corrections[h] = correction;
+        if h < part.heads {
+            row.sums[head] = row.sums[head] * correction + _mm512_reduce_add_ps(exponentials);
+            row.maxima[head] = max;
+            corrections[h] = correction;
+        }
         // The int8 values' scales go into their weights (the sum above is the softmax's).
         let weight =
             value_scales.map_or(exponentials, |scales| _mm512_mul_ps(exponentials, scales));
@@ -143,10 +192,10 @@ pub(super) unsafe fn attend_part<E: TileElement>(
         // heads' outputs are inside `tile.values` and `row.outputs`.
         unsafe {
             match vectors {
-                1 => value_pass::<1, E>(row, tile, part, &weights, &corrections, start),
-                2 => value_pass::<2, E>(row, tile, part, &weights, &corrections, start),
-                3 => value_pass::<3, E>(row, tile, part, &weights, &corrections, start),
-                _ => value_pass::<4, E>(row, tile, part, &weights, &corrections, start),
+                1 => value_pass::<1, H, E>(row, tile, part, &weights, &corrections, start),
+                2 => value_pass::<2, H, E>(row, tile, part, &weights, &corrections, start),
+                3 => value_pass::<3, H, E>(row, tile, part, &weights, &corrections, start),
+                _ => value_pass::<4, H, E>(row, tile, part, &weights, &corrections, start),
             }
         }
         start += LANES * vectors.min(4);
@@ -161,15 +210,15 @@ pub(super) unsafe fn attend_part<E: TileElement>(
 /// As [`attend_part`], and `start + 16 · VECTORS ≤ part.value_dim`.
 #[inline]
 #[target_feature(enable = "avx512f")]
-unsafe fn value_pass<const VECTORS: usize, E: TileElement>(
+unsafe fn value_pass<const VECTORS: usize, const H: usize, E: TileElement>(
     row: &mut OnlineRow,
     tile: &KeyTile<E>,
     part: TilePart,
-    weights: &[[f32; LANES]; HEADS],
-    corrections: &[f32; HEADS],
+    weights: &[[f32; LANES]; H],
+    corrections: &[f32; H],
     start: usize,
 ) {
-    let mut sums = [[_mm512_setzero_ps(); VECTORS]; HEADS];
+    let mut sums = [[_mm512_setzero_ps(); VECTORS]; H];
     // SAFETY: value row `part.first + lane` (lane < part.lanes) and its columns `start..start
     // + 16 · VECTORS` are inside `tile.values`; output columns likewise inside `row.outputs`
     // for heads below `part.head + part.heads`.
@@ -187,7 +236,7 @@ unsafe fn value_pass<const VECTORS: usize, E: TileElement>(
             }
             for v in 0..VECTORS {
                 let value = load(value_row.add(v * LANES), u16::MAX);
-                for h in 0..HEADS {
+                for h in 0..H {
                     let weight = _mm512_set1_ps(weights[h][lane]);
                     sums[h][v] = _mm512_fmadd_ps(weight, value, sums[h][v]);
                 }

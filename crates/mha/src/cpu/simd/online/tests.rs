@@ -276,7 +276,7 @@ fn check(case: &Case) {
 
 /// Every shape, in `element`.
 fn matches_for_every_shape(element: Element) {
-    for heads in [1, 3, 4, 5, 8] {
+    for heads in [1, 2, 3, 4, 5, 6, 8] {
         for (dim, value_dim) in [(1, 8), (16, 16), (17, 40), (64, 64), (32, 80), (64, 100)] {
             for tiles in [vec![16], vec![1], vec![7, 16, 3], vec![32, 17, 40]] {
                 check(&Case {
@@ -526,4 +526,32 @@ fn ahead_asks_for_no_line_of_a_position_past_the_tile() {
     assert_eq!(ahead.value_lines(count, value_dim).count(), 0);
     let lines = lines_asked_for(&ahead, dim, value_dim, block_size);
     assert_eq!(lines, [vec![0, 2, 4, 6], vec![0, 1, 2, 3, 4]]);
+}
+
+/// Every f16 bit pattern, sixteen and sixty-four at a time (the widths the lane loops convert),
+/// as `f16::to_f32` gives it; a NaN a NaN.
+#[test]
+fn f16_tiles_convert_every_half_as_the_half_crate_does() {
+    fn check<const N: usize>() {
+        let halves: Vec<f16> = (0..=u16::MAX).map(f16::from_bits).collect();
+        for chunk in halves.chunks_exact(N) {
+            let chunk: &[f16; N] = chunk.try_into().expect("N halves");
+            for (half, float) in chunk.iter().zip(f16::floats(chunk)) {
+                let expected = half.to_f32();
+                assert!(
+                    float.to_bits() == expected.to_bits() || (float.is_nan() && expected.is_nan()),
+                    "{:#06x}: {float} against {expected}",
+                    half.to_bits()
+                );
+                let one = half.float();
+                assert!(
+                    one.to_bits() == float.to_bits() || (one.is_nan() && float.is_nan()),
+                    "{:#06x}: one at a time {one}, {N} at a time {float}",
+                    half.to_bits()
+                );
+            }
+        }
+    }
+    check::<LANES>();
+    check::<VALUE_COLUMNS>();
 }
