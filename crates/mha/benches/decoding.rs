@@ -1,6 +1,7 @@
 //! Decoding speed against the memory-bandwidth bound: one token at a time, batch 1, with the KV
 //! cache at 512, 4096 and 16384 cached positions in each storage (f32, f16, int8; d_model 512,
-//! 8 query heads, 2 key/value heads unless `--kv-heads` says otherwise, flex), beside the bytes each step must read (the cached
+//! 8 query heads, 2 key/value heads unless `--kv-heads` says otherwise, flex; every position
+//! kept, or a sliding window with `--window`), beside the bytes each step must read (the cached
 //! keys and values as stored, and the four projection weights) and the time reading that many
 //! bytes takes at this machine's measured read bandwidth on one thread: a short step runs on
 //! one; a long one is spread over rayon's threads (the flash kernel's heads in f32, parts of
@@ -11,13 +12,13 @@
 //!
 //! `cargo bench --workspace --features burn-mha/wgpu,train-demo/ndarray,train-demo/wgpu --bench decoding`
 //! (options: `--positions 512,4096,16384`, `--steps 64`, `--concurrent 1,8,32`, `--rounds 16`, `--block-size 16`,
-//! `--ways paged,padded,single`, `--storage float,half,int8`, `--layers 1`, `--kv-heads 2`;
-//! an empty list skips its table).
+//! `--ways paged,padded,single`, `--storage float,half,int8`, `--layers 1`, `--kv-heads 2`,
+//! `--window W` (none by default); an empty list skips its table).
 
 use std::time::Instant;
 
 use burn::tensor::{Device, Distribution, Tensor};
-use mha::{KvCache, MhaInput, MultiHeadAttention, MultiHeadAttentionConfig};
+use mha::{CacheLimit, KvCache, MhaInput, MultiHeadAttention, MultiHeadAttentionConfig};
 
 #[path = "decoding/concurrent.rs"]
 mod concurrent;
@@ -103,6 +104,8 @@ struct Options {
     /// Key/value heads of every layer: 2 (four query heads share each), or 8 for plain
     /// multi-head attention.
     kv_heads: usize,
+    /// The one-sequence table's caches keep a sliding window of this many positions.
+    window: Option<usize>,
 }
 
 impl Options {
@@ -121,6 +124,7 @@ impl Options {
             ],
             layers: 1,
             kv_heads: 2,
+            window: None,
         };
         let list = |text: String, name: &str| -> Vec<usize> {
             text.split(',')
@@ -146,6 +150,11 @@ impl Options {
                         options.kv_heads > 0 && HEADS.is_multiple_of(options.kv_heads),
                         "--kv-heads: a divisor of {HEADS}"
                     );
+                }
+                "--window" => {
+                    let window = value().parse().expect("--window: a number");
+                    assert!(window > 1, "--window: at least 2");
+                    options.window = Some(window);
                 }
                 "--block-size" => {
                     options.block_size = value().parse().expect("--block-size: a number")
@@ -231,7 +240,8 @@ fn main() {
     }
 }
 
-/// ms per token of one sequence decoded with a `KvCache`, at each of `options.positions`.
+/// ms per token of one sequence decoded with a `KvCache` (holding every position, or the
+/// sliding window `options.window`), at each of `options.positions`.
 fn one_sequence_table(
     module: &MultiHeadAttention,
     options: &Options,
@@ -241,19 +251,33 @@ fn one_sequence_table(
     let steps = options.steps;
     let (head_dim, kv_heads) = (D_MODEL / HEADS, options.kv_heads);
     let weight_bytes = 4 * (2 * D_MODEL * D_MODEL + 2 * D_MODEL * kv_heads * head_dim);
-    println!("\nbatch 1, median of {steps} steps\n");
+    let window = options.window;
+    let held = |cached: usize| window.map_or(cached, |window| cached.min(window - 1));
+    match window {
+        // A window's cache moves its positions now and then (a step's mean includes it).
+        Some(window) => println!(
+            "\nbatch 1, a sliding window of {window} (the cache holding the latest {} positions), \
+             median and mean of {steps} steps\n",
+            window - 1
+        ),
+        None => println!("\nbatch 1, median and mean of {steps} steps\n"),
+    }
     println!(
-        "| storage | cached positions | ms per token | bytes a step must read | at {:.1} GB/s, ms | time / bound |",
+        "| storage | cached positions | ms per token | mean ms | bytes a step must read | at {:.1} GB/s, ms | time / bound |",
         bandwidth / 1e9
     );
-    println!("|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|");
     for (&storage, &cached) in options.storages.iter().flat_map(|storage| {
         options
             .positions
             .iter()
             .map(move |cached| (storage, cached))
     }) {
-        let mut cache = KvCache::new().with_storage(storage);
+        let mut cache = match window {
+            Some(window) => KvCache::with_limit(CacheLimit::SlidingWindow(window)),
+            None => KvCache::new(),
+        }
+        .with_storage(storage);
         let prompt = Tensor::<3>::random([1, cached, D_MODEL], Distribution::Default, device);
         module
             .forward_cached(MhaInput::self_attn(prompt).causal(), &mut cache)
@@ -268,14 +292,17 @@ fn one_sequence_table(
             output.context.into_data();
             times.push(started.elapsed().as_secs_f64());
         }
+        let mean = times.iter().sum::<f64>() / steps as f64;
         times.sort_by(f64::total_cmp);
         let median = times[steps / 2];
-        // The keys and values of every cached position as stored, and the projection weights.
-        let bytes = cached * concurrent::position_bytes(storage, kv_heads, head_dim) + weight_bytes;
+        // The keys and values of every position held as stored, and the projection weights.
+        let bytes =
+            held(cached) * concurrent::position_bytes(storage, kv_heads, head_dim) + weight_bytes;
         let bound = bytes as f64 / bandwidth;
         println!(
-            "| {storage:?} | {cached} | {:.3} | {:.1} MB | {:.3} | {:.1}x |",
+            "| {storage:?} | {cached} | {:.3} | {:.3} | {:.1} MB | {:.3} | {:.1}x |",
             median * 1e3,
+            mean * 1e3,
             bytes as f64 / 1e6,
             bound * 1e3,
             median / bound

@@ -14,6 +14,7 @@ use crate::paged::StoredBlocks;
 
 mod storage;
 mod stored;
+mod tiled;
 mod undo;
 // Names burn-ndarray's deprecated backend type, as `cpu` does.
 #[allow(deprecated)]
@@ -24,20 +25,35 @@ pub use storage::CacheStorage;
 pub(crate) use storage::{
     Quantized, beyond_half_range, dequantize_int8, in_dtype, quantize_int8, storage_unsupported,
 };
-use stored::{Layout, Side, Stored};
+use stored::{EVICTION_SLACK, Layout, Side, Stored};
+pub(crate) use tiled::TILE as TILE_POSITIONS;
 use undo::{StepUndo, UndoLog};
 
 /// A compressed [`KvCache`]'s buffers as the in-place decoding kernel reads them
-/// ([`KvCache::in_place_buffers`]): every position of their capacity, of which the first
-/// `stored` are the cache's.
+/// ([`KvCache::in_place_buffers`]): a paged pool's blocks of [`TILE_POSITIONS`] positions, tile
+/// `t` of batch element `b` in block `t · batch + b`, every position of their capacity, of
+/// which `stored` after the first `evicted` are the cache's.
 pub(crate) struct CompressedCache<'a> {
-    /// f16 or int8, feature-major: `[batch, n_kv_heads, head_dim, capacity]` (an int8 cache's
-    /// scales `[batch, n_kv_heads, 1, capacity]`).
+    /// f16 or int8, feature-major: `[tiles · batch, n_kv_heads, head_dim, TILE_POSITIONS]` (an
+    /// int8 cache's scales `[tiles · batch, n_kv_heads, 1, TILE_POSITIONS]`).
     pub keys: StoredBlocks<'a>,
-    /// `[batch, n_kv_heads, capacity, head_dim]` (scales `[batch, n_kv_heads, capacity, 1]`).
+    /// `[tiles · batch, n_kv_heads, TILE_POSITIONS, head_dim]` (scales with a last axis of 1).
     pub values: StoredBlocks<'a>,
-    /// Positions the cache holds.
+    /// The batch size.
+    pub batch: usize,
+    /// Positions at the front that a sliding window evicted, still in the buffers.
+    pub evicted: usize,
+    /// Positions the cache holds, after them.
     pub stored: usize,
+}
+
+impl CompressedCache<'_> {
+    /// The blocks holding batch element `element`'s positions (evicted, then stored), in order.
+    pub fn blocks_of(&self, element: usize) -> Vec<usize> {
+        (0..(self.evicted + self.stored).div_ceil(TILE_POSITIONS))
+            .map(|tile| tile * self.batch + element)
+            .collect()
+    }
 }
 
 /// How many key/value positions a [`KvCache`] keeps.
@@ -178,8 +194,8 @@ impl core::error::Error for CacheError {}
 /// ```
 #[derive(Debug, Clone)]
 pub struct KvCache {
-    /// `[batch, n_kv_heads, capacity, head_dim]` (a compressed cache's on flex and ndarray
-    /// feature-major, `[batch, n_kv_heads, head_dim, capacity]`: [`stored::Layout`]).
+    /// `[batch, n_kv_heads, capacity, head_dim]` (a compressed cache's on flex and ndarray in
+    /// tiles, as a paged pool's blocks: [`stored::Layout`]).
     key: Option<Stored>,
     /// `[batch, n_kv_heads, capacity, value_dim]`.
     value: Option<Stored>,
@@ -311,8 +327,12 @@ impl KvCache {
     }
 
     /// Bytes the key and value buffers take (padding not counted); a cache's buffers keep room
-    /// for as many positions again as they hold at most (none under a window), so that
-    /// appending does not copy the cache at every step. A windowed layer's cache in a
+    /// for as many positions again as they hold at most, so that appending does not copy the
+    /// cache at every step: under a sliding window, room for 64 positions past the window,
+    /// where it leaves the positions it evicts until there are 64 (it moves what it keeps once
+    /// every 64 decoding steps, not at every step); under a window with sinks, none. An f16 or
+    /// int8 cache on flex or ndarray holds whole tiles of 64 positions (up to 63 more), which
+    /// a decoding step reads in place as a paged pool's blocks. A windowed layer's cache in a
     /// Transformer stack also holds its buffers from before the last step (not counted), to
     /// take the step back if a later layer refuses it.
     pub fn bytes(&self) -> usize {
@@ -454,13 +474,20 @@ impl KvCache {
     /// storage, keys stored position-major, or an empty cache.
     pub(crate) fn in_place_buffers(&self) -> Option<CompressedCache<'_>> {
         let (key, value) = (self.key.as_ref()?, self.value.as_ref()?);
-        if key.len() == 0 || key.layout() != Layout::FeatureMajor {
+        let Layout::Tiles { batch, .. } = key.layout() else {
+            return None;
+        };
+        let held = key.held();
+        if held.len == 0 || !matches!(value.layout(), Layout::Tiles { .. }) || value.held() != held
+        {
             return None;
         }
         Some(CompressedCache {
             keys: key.compressed()?,
             values: value.compressed()?,
-            stored: key.len(),
+            batch,
+            evicted: held.evicted,
+            stored: held.len,
         })
     }
 
@@ -491,10 +518,7 @@ impl KvCache {
         if let UndoLog::On(_) = self.undo {
             self.undo = UndoLog::On(Some(Box::new(StepUndo::before(self))));
         }
-        let (key, value) = self.stored_with(
-            Stored::new(key, self.storage, Side::Key),
-            Stored::new(value, self.storage, Side::Value),
-        );
+        let (key, value) = self.stored_with(key, value);
         let read = read.map(|dtype| (key.read(dtype), value.read(dtype)));
         self.seen += step.new;
         self.owner = Some(step.owner);
@@ -530,23 +554,31 @@ impl KvCache {
         }
     }
 
-    /// The stored keys and values followed by `new_key`, `new_value` (taken out of the cache,
-    /// which [`KvCache::keep`] puts them back into).
-    fn stored_with(&mut self, new_key: Stored, new_value: Stored) -> (Stored, Stored) {
+    /// The stored keys and values followed by `new_key`, `new_value` (`[batch, n_kv_heads,
+    /// new, head_dim]`), stored (taken out of the cache, which [`KvCache::keep`] puts them back
+    /// into).
+    fn stored_with(&mut self, new_key: Tensor<4>, new_value: Tensor<4>) -> (Stored, Stored) {
+        let storage = self.storage;
         match (self.key.take(), self.value.take()) {
             (Some(past_key), Some(past_value)) => {
-                // Room to grow where every position is kept; a window compacts at every step.
+                // Room to grow where every position is kept; a sliding window's for the
+                // positions it evicts in place (`Held::evicted`); a window with sinks compacts
+                // at every step.
                 let max_positions = match self.limit {
                     CacheLimit::Unbounded => usize::MAX,
                     CacheLimit::Fixed(capacity) => capacity,
-                    CacheLimit::SlidingWindow(_) | CacheLimit::StreamingWindow { .. } => 0,
+                    CacheLimit::SlidingWindow(window) => window + EVICTION_SLACK,
+                    CacheLimit::StreamingWindow { .. } => 0,
                 };
                 (
-                    past_key.cat(new_key, max_positions),
-                    past_value.cat(new_value, max_positions),
+                    past_key.cat(new_key, storage, max_positions),
+                    past_value.cat(new_value, storage, max_positions),
                 )
             }
-            _ => (new_key, new_value),
+            _ => (
+                Stored::new(new_key, storage, Side::Key),
+                Stored::new(new_value, storage, Side::Value),
+            ),
         }
     }
 

@@ -166,20 +166,25 @@ fn sliding_window_cache_equals_banded_attention_and_evicts() {
         let module = MultiHeadAttentionConfig::new(8, 2)
             .with_rope(Some(RopeConfig::new()))
             .init(&device);
-        let x = randn([1, 10, 8], &device);
+        let x = randn([1, 72, 8], &device);
         // A window of 1 keeps nothing between steps (it panicked concatenating no positions).
         for window in [4, 1] {
             let full = module
-                .forward(MhaInput::self_attn(x.clone()).attn_mask(band_mask(10, window, &device)))
+                .forward(MhaInput::self_attn(x.clone()).attn_mask(band_mask(72, window, &device)))
                 .context;
-            for chunks in [vec![1; 10], vec![3, 1, 4, 2]] {
+            // The evicted positions left in the buffer pass 64 (when the cache moves what it
+            // keeps to the front) in one step, and over several.
+            for chunks in [
+                [vec![1; 10], vec![62]].concat(),
+                vec![3, 1, 4, 2, 30, 20, 10, 1, 1],
+            ] {
                 let mut cache = KvCache::with_limit(CacheLimit::SlidingWindow(window));
                 let decoded = decode(&module, &x, &chunks, &mut cache);
                 assert!(
                     cache.stored() < window,
                     "{name}: evicted down to window - 1"
                 );
-                assert_eq!(cache.len(), 10);
+                assert_eq!(cache.len(), 72);
                 assert_close(
                     &format!("{name}: sliding window {window} {chunks:?}"),
                     decoded,
@@ -919,8 +924,10 @@ fn int8_cache_is_smaller_and_close_to_the_float_cache() {
             .with_n_kv_heads(Some(2))
             .with_rope(Some(RopeConfig::new()))
             .init(&device);
-        let x = randn([2, 24, 256], &device);
-        let chunks = [8, 1, 1, 6, 1, 7];
+        let x = randn([2, 48, 256], &device);
+        // Both caches hold 64 positions after these steps: the f32 one doubles 32 to 64, the
+        // int8 one on the CPU backends holds a whole tile of 64 from the first step.
+        let chunks = [32, 1, 1, 6, 1, 7];
         let mut float = KvCache::new();
         let expected = decode(&module, &x, &chunks, &mut float);
         let mut int8 = KvCache::new().with_storage(CacheStorage::Int8);
@@ -962,7 +969,9 @@ fn segment_ids_under_a_cache_are_refused_clearly() {
 /// A float or int8 cache keeps room to append in place: it never holds more than twice the
 /// positions it stores (once past its first step), nor more than a fixed capacity allows, and
 /// it does hold spare positions (appending copies only the step's rows until they run out); its
-/// outputs stay those of the full forward (see the decoding tests above).
+/// outputs stay those of the full forward (see the decoding tests above). An int8 cache on flex
+/// holds whole tiles of 64 positions (as the in-place kernel reads them): those bounds rounded
+/// up to a tile.
 #[test]
 fn caches_reserve_at_most_their_size_again_and_never_past_a_fixed_capacity() {
     let device = Device::flex();
@@ -971,9 +980,9 @@ fn caches_reserve_at_most_their_size_again_and_never_past_a_fixed_capacity() {
         .init(&device);
     // Keys and values of one position: batch 1, 2 heads of 4 features, in f32, or in i8 with
     // an f32 scale per head.
-    for (storage, per_position) in [
-        (CacheStorage::Float, 2 * 2 * 4 * 4),
-        (CacheStorage::Int8, 2 * 2 * (4 + 4)),
+    for (storage, per_position, tile) in [
+        (CacheStorage::Float, 2 * 2 * 4 * 4, 1),
+        (CacheStorage::Int8, 2 * 2 * (4 + 4), 64),
     ] {
         for limit in [CacheLimit::Unbounded, CacheLimit::Fixed(40)] {
             let mut cache = KvCache::with_limit(limit).with_storage(storage);
@@ -991,12 +1000,15 @@ fn caches_reserve_at_most_their_size_again_and_never_past_a_fixed_capacity() {
                     .expect("room in the cache");
                 let (held, stored) = (cache.bytes() / per_position, cache.stored());
                 assert!(
-                    held >= stored && held <= 2 * stored,
+                    held >= stored && held <= (2 * stored).next_multiple_of(tile),
                     "{storage:?} {limit:?}: {held} positions held for {stored} stored"
                 );
                 spare_seen |= held > stored;
                 if let CacheLimit::Fixed(capacity) = limit {
-                    assert!(held <= capacity, "{held} positions held past the capacity");
+                    assert!(
+                        held <= capacity.next_multiple_of(tile),
+                        "{held} positions held past the capacity"
+                    );
                 }
             }
             assert!(
@@ -1004,6 +1016,40 @@ fn caches_reserve_at_most_their_size_again_and_never_past_a_fixed_capacity() {
                 "{storage:?} {limit:?}: no room kept to append in place"
             );
         }
+    }
+}
+
+/// A sliding window's cache leaves the positions it evicts in its buffer until there are 64,
+/// then moves what it keeps to the front: however long the sequence, its buffers hold the
+/// window, 64 evicted positions and room for 64 more (in tiles of 64 for int8 on flex).
+#[test]
+fn a_sliding_window_cache_holds_a_bounded_buffer_however_long_the_sequence() {
+    let device = Device::flex();
+    let module = MultiHeadAttentionConfig::new(16, 4)
+        .with_n_kv_heads(Some(2))
+        .init(&device);
+    let window = 8;
+    for (storage, per_position) in [
+        (CacheStorage::Float, 2 * 2 * 4 * 4),
+        (CacheStorage::Int8, 2 * 2 * (4 + 4)),
+    ] {
+        let mut cache =
+            KvCache::with_limit(CacheLimit::SlidingWindow(window)).with_storage(storage);
+        let mut most = 0;
+        for _ in 0..300 {
+            module
+                .forward_cached(
+                    MhaInput::self_attn(randn([1, 1, 16], &device)).causal(),
+                    &mut cache,
+                )
+                .expect("a window evicts");
+            most = most.max(cache.bytes() / per_position);
+        }
+        assert_eq!((cache.len(), cache.stored()), (300, window - 1));
+        assert!(
+            most <= (window + 2 * 64).next_multiple_of(64),
+            "{storage:?}: {most} positions held for a window of {window}"
+        );
     }
 }
 

@@ -6,62 +6,148 @@ use burn::tensor::{DType, Int, Tensor};
 
 use super::picked;
 use super::storage::{CacheStorage, Quantized, dequantize_int8, in_dtype, quantize_int8};
+use super::tiled::{TILE, Within, grown, tiled, tiles_for, untiled, written};
 #[cfg(any(feature = "flex", feature = "ndarray"))]
 use super::widen;
 use crate::cpu::storage::native_storage;
 use crate::paged::StoredBlocks;
 
-/// Stored keys or values, `[batch, heads, capacity, dim]` (or, [`Layout::FeatureMajor`],
-/// `[batch, heads, dim, capacity]`), of which the first [`Stored::len`] positions are held.
+/// Stored keys or values, `[batch, heads, capacity, dim]` (or, [`Layout::Tiles`], a paged
+/// pool's blocks), of which [`Stored::len`] positions are held ([`Held`]).
 #[derive(Debug, Clone)]
 pub(super) struct Stored {
-    data: StoredData,
+    elements: Elements,
+    held: Held,
     layout: Layout,
 }
 
-/// How a [`Stored`]'s buffers lie: which axis holds the positions.
+/// Positions a sliding window leaves evicted at the front of a buffer before it moves the ones
+/// it keeps to the front ([`Held::evicted`]): a tile's worth.
+pub(super) const EVICTION_SLACK: usize = TILE;
+
+/// Which of a buffer's positions a [`Stored`] holds: `len` after the `evicted` first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Held {
+    /// Positions at the front of the buffer that a sliding window evicted, left where they lie
+    /// (and hidden from the in-place kernel) until there are [`EVICTION_SLACK`] of them: a
+    /// window's cache then moves its positions once every 64 decoding steps, not at every step
+    /// (which took 20x an unbounded cache's step in f32 at a window of 4096, 8 heads, on flex:
+    /// fresh buffers' page faults and copies).
+    pub evicted: usize,
+    /// Positions held after them.
+    pub len: usize,
+}
+
+impl Held {
+    /// The buffer position after the last held one.
+    fn end(self) -> usize {
+        self.evicted + self.len
+    }
+}
+
+/// How a [`Stored`]'s buffers lie.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Layout {
-    /// `[batch, heads, positions, dim]`: a position's features adjacent.
+    /// `[batch, heads, capacity, dim]` (an int8 buffer's scales `[batch, heads, capacity, 1]`):
+    /// a position's features adjacent.
     PositionMajor,
-    /// `[batch, heads, dim, positions]` (an int8 buffer's scales `[batch, heads, 1,
-    /// positions]`): a feature's positions adjacent, as the paged kernel reads keys (16
-    /// positions of a feature per vector), so that a decoding step reads a compressed cache's
-    /// keys in place (`paged::native_cached_attention`).
-    FeatureMajor,
+    /// Tiles of [`TILE`] positions as a paged pool's blocks ([`tiled`](super::tiled)): keys
+    /// `[tiles · batch, heads, dim, TILE]`, values `[tiles · batch, heads, TILE, dim]` (an int8
+    /// buffer's scales with a feature axis of 1), tile `t` of batch element `b` block `t · batch
+    /// + b`, so that a decoding step reads a compressed cache in place through the paged kernel
+    /// (`paged::native_cached_attention`), a tile's keys and values each one run of memory.
+    Tiles { batch: usize, within: Within },
 }
 
 impl Layout {
     /// The layout of a side's positions in `storage`, for steps like `tensor`'s: a compressed
-    /// cache's keys feature-major where the in-place decoding kernel reads them (f32 on flex or
-    /// ndarray, outside autodiff), everything else position-major, as the other kernels read
-    /// them.
+    /// cache's in tiles where the in-place decoding kernel reads them (f32 on flex or ndarray,
+    /// outside autodiff), everything else position-major, as the other kernels read them.
     fn of(side: Side, storage: CacheStorage, tensor: &Tensor<4>) -> Self {
         let device = tensor.device();
         let read_in_place =
             native_storage(&device) && !device.is_autodiff() && tensor.dtype() == DType::F32;
-        match (side, storage) {
-            (Side::Key, CacheStorage::Half | CacheStorage::Int8) if read_in_place => {
-                Self::FeatureMajor
-            }
+        let within = match side {
+            Side::Key => Within::FeatureMajor,
+            Side::Value => Within::PositionMajor,
+        };
+        match storage {
+            CacheStorage::Half | CacheStorage::Int8 if read_in_place => Self::Tiles {
+                batch: tensor.dims()[0],
+                within,
+            },
             _ => Self::PositionMajor,
         }
     }
 
-    /// The axis of the positions.
-    fn axis(self) -> usize {
+    /// Positions `[batch, heads, n, dim]` laid out: as they are position-major, in the tiles
+    /// that hold them (the last one's spare positions zero).
+    fn laid_out<K: Basic>(self, positions: Tensor<4, K>) -> Tensor<4, K> {
         match self {
-            Self::PositionMajor => 2,
-            Self::FeatureMajor => 3,
+            Self::PositionMajor => positions,
+            Self::Tiles { within, .. } => {
+                let tiles = tiles_for(positions.dims()[2]);
+                tiled(positions, within, tiles)
+            }
         }
     }
 
-    /// `tensor` moved between `[batch, heads, positions, dim]` and this layout (either way:
-    /// feature-major is the transpose of the last two axes).
-    fn arranged<K: Basic>(self, tensor: Tensor<4, K>) -> Tensor<4, K> {
+    /// The `held` positions of `buffer` as `[batch, heads, held.len, dim]`.
+    fn positions<K: Basic>(self, buffer: &Tensor<4, K>, held: Held) -> Tensor<4, K> {
+        let Held { evicted, len } = held;
         match self {
-            Self::PositionMajor => tensor,
-            Self::FeatureMajor => tensor.swap_dims(2, 3),
+            Self::PositionMajor if buffer.dims()[2] == len => buffer.clone(),
+            Self::PositionMajor => buffer.clone().narrow(2, evicted, len),
+            Self::Tiles { batch, within } if evicted == 0 => untiled(buffer, within, batch, len),
+            Self::Tiles { batch, within } => {
+                untiled(buffer, within, batch, held.end()).narrow(2, evicted, len)
+            }
+        }
+    }
+
+    /// `buffer`'s positions `0..len`, then `new`'s (`[batch, heads, n, dim]`): written into the
+    /// buffer's spare positions in place where they fit (a uniquely held buffer on flex), so
+    /// that a decoding step copies only its own keys, not the whole cache; else into a new
+    /// buffer with room for up to as many positions again, but never more than
+    /// `max_positions` in all (in tiles: rounded up to a whole tile).
+    fn appended<K: Basic>(
+        self,
+        buffer: Tensor<4, K>,
+        len: usize,
+        new: Tensor<4, K>,
+        max_positions: usize,
+    ) -> Tensor<4, K> {
+        let dims = buffer.dims();
+        let total = len + new.dims()[2];
+        let capacity = match self {
+            Self::PositionMajor => dims[2],
+            Self::Tiles { batch, .. } => dims[0] / batch * TILE,
+        };
+        let grown_to = (2 * capacity).min(max_positions).max(total);
+        match self {
+            Self::PositionMajor if total <= capacity => {
+                let mut ranges = dims.map(|size| 0..size);
+                ranges[2] = len..total;
+                buffer.slice_assign(ranges, new)
+            }
+            Self::PositionMajor => {
+                let mut parts = vec![buffer.narrow(2, 0, len), new];
+                if grown_to > total {
+                    let mut shape = dims;
+                    shape[2] = grown_to - total;
+                    let zeros = Tensor::zeros(shape, (&parts[0].device(), parts[0].dtype()));
+                    parts.push(zeros);
+                }
+                Tensor::cat(parts, 2)
+            }
+            Self::Tiles { batch, within } => {
+                let buffer = if total <= capacity {
+                    buffer
+                } else {
+                    grown(buffer, batch, tiles_for(grown_to))
+                };
+                written(buffer, within, batch, len, new)
+            }
         }
     }
 }
@@ -73,21 +159,34 @@ pub(super) enum Side {
     Value,
 }
 
-/// A [`Stored`]'s buffers in its [`Layout`].
+/// A [`Stored`]'s buffers (in its [`Layout`]), or a step's positions encoded for storage
+/// (`[batch, heads, n, dim]`).
 #[derive(Debug, Clone)]
 // The int8 variant holds two tensors; the enum lives in a cache, two per layer, never in bulk.
 #[allow(clippy::large_enum_variant)]
-enum StoredData {
-    /// Positions `0..len` of `buffer`, whose positions axis has room for more: appending
-    /// writes into the spare positions in place ([`appended`]).
-    Float { buffer: Tensor<4>, len: usize },
-    /// Positions `0..len` of values in i8 and of one scale per position and head, both with
-    /// room for more, appended to in place as `Float` is.
+enum Elements {
+    /// f32 or f16.
+    Float(Tensor<4>),
+    /// i8, and one scale per position and head (a feature axis of 1).
     Int8 {
         values: Tensor<4, Int>,
         scales: Tensor<4>,
-        len: usize,
     },
+}
+
+impl Elements {
+    /// `tensor` as `storage` stores it.
+    fn encoded(tensor: Tensor<4>, storage: CacheStorage) -> Self {
+        match storage {
+            CacheStorage::Float => Self::Float(tensor),
+            CacheStorage::Half => Self::Float(in_dtype(tensor, DType::F16)),
+            CacheStorage::Int8 => {
+                // One scale per position, over its features.
+                let Quantized { values, scales } = quantize_int8(tensor);
+                Self::Int8 { values, scales }
+            }
+        }
+    }
 }
 
 impl Stored {
@@ -96,32 +195,27 @@ impl Stored {
     pub(super) fn new(tensor: Tensor<4>, storage: CacheStorage, side: Side) -> Self {
         let layout = Layout::of(side, storage, &tensor);
         let len = tensor.dims()[2];
-        let data = match storage {
-            CacheStorage::Float => StoredData::Float {
-                buffer: tensor,
-                len,
-            },
-            CacheStorage::Int8 => {
-                // One scale per position, over its features, before the transpose.
-                let Quantized { values, scales } = quantize_int8(tensor);
-                StoredData::Int8 {
-                    values: layout.arranged(values),
-                    scales: layout.arranged(scales),
-                    len,
-                }
-            }
-            CacheStorage::Half => StoredData::Float {
-                buffer: layout.arranged(in_dtype(tensor, DType::F16)),
-                len,
+        let elements = match Elements::encoded(tensor, storage) {
+            Elements::Float(positions) => Elements::Float(layout.laid_out(positions)),
+            Elements::Int8 { values, scales } => Elements::Int8 {
+                values: layout.laid_out(values),
+                scales: layout.laid_out(scales),
             },
         };
-        Self { data, layout }
+        Self {
+            elements,
+            held: Held { evicted: 0, len },
+            layout,
+        }
     }
 
     pub(super) fn len(&self) -> usize {
-        match &self.data {
-            StoredData::Float { len, .. } | StoredData::Int8 { len, .. } => *len,
-        }
+        self.held.len
+    }
+
+    /// Which of the buffer's positions are held.
+    pub(crate) fn held(&self) -> Held {
+        self.held
     }
 
     pub(crate) fn layout(&self) -> Layout {
@@ -131,70 +225,53 @@ impl Stored {
     /// Whether the positions are stored as floats of `dtype` (what [`Stored::read`] returns
     /// without a conversion).
     pub(super) fn is_float_in(&self, dtype: DType) -> bool {
-        matches!(&self.data, StoredData::Float { buffer, .. } if buffer.dtype() == dtype)
+        matches!(&self.elements, Elements::Float(buffer) if buffer.dtype() == dtype)
     }
 
     /// The f16 or int8 buffers, whole (spare positions included), as the in-place kernel reads
-    /// a paged pool's (each batch element one block); `None` for f32 storage.
+    /// a paged pool's; `None` for f32 storage.
     pub(crate) fn compressed(&self) -> Option<StoredBlocks<'_>> {
-        match &self.data {
-            StoredData::Float { buffer, .. } if buffer.dtype() == DType::F16 => {
+        match &self.elements {
+            Elements::Float(buffer) if buffer.dtype() == DType::F16 => {
                 Some(StoredBlocks::Float(buffer))
             }
-            StoredData::Float { .. } => None,
-            StoredData::Int8 { values, scales, .. } => Some(StoredBlocks::Int8 { values, scales }),
+            Elements::Float(_) => None,
+            Elements::Int8 { values, scales } => Some(StoredBlocks::Int8 { values, scales }),
         }
-    }
-
-    /// Positions `0..len` of `buffer` (in this layout) as `[batch, heads, len, dim]`.
-    fn positions<K: Basic>(&self, buffer: &Tensor<4, K>, len: usize) -> Tensor<4, K> {
-        let axis = self.layout.axis();
-        let part = if buffer.dims()[axis] == len {
-            buffer.clone()
-        } else {
-            buffer.clone().narrow(axis, 0, len)
-        };
-        self.layout.arranged(part)
     }
 
     /// The stored positions as floats, in `dtype`.
     pub(super) fn read(&self, dtype: DType) -> Tensor<4> {
-        match &self.data {
-            StoredData::Float { buffer, len } => in_dtype(self.positions(buffer, *len), dtype),
-            StoredData::Int8 {
-                values,
-                scales,
-                len,
-            } => dequantize_int8(
-                self.positions(values, *len),
-                self.positions(scales, *len),
+        let (layout, held) = (self.layout, self.held);
+        match &self.elements {
+            Elements::Float(buffer) => in_dtype(layout.positions(buffer, held), dtype),
+            Elements::Int8 { values, scales } => dequantize_int8(
+                layout.positions(values, held),
+                layout.positions(scales, held),
                 dtype,
             ),
         }
     }
 
     /// The stored positions in `dtype` with `new` (in `dtype`) after them: where f16 or int8
-    /// are widened to f32 on flex or ndarray, in one pass (`widen.rs`); elsewhere a conversion,
-    /// then a concatenation.
+    /// are widened to f32 on flex or ndarray, in one pass over the positions (`widen.rs`;
+    /// tiles are first moved into positions' order); elsewhere a conversion, then a
+    /// concatenation.
     pub(super) fn read_then(&self, new: &Tensor<4>, dtype: DType) -> Tensor<4> {
         #[cfg(any(feature = "flex", feature = "ndarray"))]
         {
-            let axis = self.layout.axis();
+            let (layout, held) = (self.layout, self.held);
             let (half, int8_values, int8_scales);
-            let compressed = match &self.data {
-                StoredData::Float { buffer, len } if buffer.dtype() == DType::F16 => {
-                    half = stored_part(buffer, axis, *len);
+            let compressed = match &self.elements {
+                Elements::Float(buffer) if buffer.dtype() == DType::F16 => {
+                    half = layout.positions(buffer, held);
                     Some(widen::Compressed::Half(&half))
                 }
-                StoredData::Float { .. } => None,
-                StoredData::Int8 {
-                    values,
-                    scales,
-                    len,
-                } => {
+                Elements::Float(_) => None,
+                Elements::Int8 { values, scales } => {
                     (int8_values, int8_scales) = (
-                        stored_part(values, axis, *len),
-                        stored_part(scales, axis, *len),
+                        layout.positions(values, held),
+                        layout.positions(scales, held),
                     );
                     Some(widen::Compressed::Int8 {
                         values: &int8_values,
@@ -203,7 +280,7 @@ impl Stored {
                 }
             };
             if let Some(widened) =
-                compressed.and_then(|stored| widen::widened_then_rows(stored, self.layout, new))
+                compressed.and_then(|stored| widen::widened_then_rows(stored, new))
             {
                 return widened;
             }
@@ -211,87 +288,43 @@ impl Stored {
         Tensor::cat(vec![self.read(dtype), new.clone()], 2)
     }
 
-    /// These positions, then `other`'s ([`appended`]), in this layout.
+    /// These positions, then `new`'s (`[batch, heads, n, dim]`, stored as `storage` says: the
+    /// cache's), in this layout ([`Layout::appended`]).
     ///
     /// # Panics
     ///
-    /// If `other` is not of this storage (f32 or f16 against int8).
-    pub(super) fn cat(self, other: Self, max_positions: usize) -> Self {
-        let (layout, axis) = (self.layout, self.layout.axis());
-        let other = other.in_layout(layout);
-        let data = match (self.data, other.data) {
+    /// If `storage` is not these positions' (f32 or f16 against int8).
+    pub(super) fn cat(self, new: Tensor<4>, storage: CacheStorage, max_positions: usize) -> Self {
+        let Self {
+            elements,
+            held,
+            layout,
+        } = self;
+        let (end, new_len) = (held.end(), new.dims()[2]);
+        let elements = match (elements, Elements::encoded(new, storage)) {
+            (Elements::Float(buffer), Elements::Float(new)) => {
+                Elements::Float(layout.appended(buffer, end, new, max_positions))
+            }
             (
-                StoredData::Float { buffer, len },
-                StoredData::Float {
-                    buffer: new,
-                    len: new_len,
-                },
-            ) => StoredData::Float {
-                buffer: appended(
-                    buffer,
-                    len,
-                    stored_part(&new, axis, new_len),
-                    axis,
-                    max_positions,
-                ),
-                len: len + new_len,
-            },
-            (
-                StoredData::Int8 {
-                    values,
-                    scales,
-                    len,
-                },
-                StoredData::Int8 {
+                Elements::Int8 { values, scales },
+                Elements::Int8 {
                     values: new_values,
                     scales: new_scales,
-                    len: new_len,
                 },
-            ) => StoredData::Int8 {
-                values: appended(
-                    values,
-                    len,
-                    stored_part(&new_values, axis, new_len),
-                    axis,
-                    max_positions,
-                ),
-                scales: appended(
-                    scales,
-                    len,
-                    stored_part(&new_scales, axis, new_len),
-                    axis,
-                    max_positions,
-                ),
-                len: len + new_len,
+            ) => Elements::Int8 {
+                values: layout.appended(values, end, new_values, max_positions),
+                scales: layout.appended(scales, end, new_scales, max_positions),
             },
             _ => unreachable!("one cache has one storage"),
         };
-        Self { data, layout }
-    }
-
-    /// These positions in `layout` (a step of another device or float type than the cache's
-    /// earlier ones asks for another).
-    fn in_layout(self, layout: Layout) -> Self {
-        if layout == self.layout {
-            return self;
+        Self {
+            elements,
+            held: Held {
+                len: held.len + new_len,
+                ..held
+            },
+            layout,
         }
-        // Either way the transpose of the last two axes.
-        let data = match self.data {
-            StoredData::Float { buffer, len } => StoredData::Float {
-                buffer: buffer.swap_dims(2, 3),
-                len,
-            },
-            StoredData::Int8 {
-                values,
-                scales,
-                len,
-            } => StoredData::Int8 {
-                values: values.swap_dims(2, 3),
-                scales: scales.swap_dims(2, 3),
-                len,
-            },
-        };
-        Self { data, layout }
     }
 
     /// The first `len` positions (positions past them stay in the buffer as spare room).
@@ -301,87 +334,65 @@ impl Stored {
     /// If more positions than are held are asked for.
     pub(super) fn truncated(self, len: usize) -> Self {
         assert!(
-            len <= self.len(),
+            len <= self.held.len,
             "Stored::truncated: {len} > {}",
-            self.len()
+            self.held.len
         );
-        let data = match self.data {
-            StoredData::Float { buffer, .. } => StoredData::Float { buffer, len },
-            StoredData::Int8 { values, scales, .. } => StoredData::Int8 {
-                values,
-                scales,
-                len,
-            },
-        };
-        Self { data, ..self }
+        Self {
+            held: Held { len, ..self.held },
+            ..self
+        }
     }
 
-    /// Positions `ranges` (in order), concatenated.
+    /// Positions `ranges` (in order), concatenated: where they are the latest positions (a
+    /// sliding window's), by evicting the ones before them in place while fewer than
+    /// [`EVICTION_SLACK`] are ([`Held::evicted`]); else into a new buffer.
     pub(super) fn select(self, ranges: &[(usize, usize)]) -> Self {
+        let held = self.held;
+        if let &[(start, len)] = ranges
+            && start + len == held.len
+            && held.evicted + start < EVICTION_SLACK
+        {
+            let evicted = held.evicted + start;
+            return Self {
+                held: Held { evicted, len },
+                ..self
+            };
+        }
+        fn kept_of<K: Basic>(
+            buffer: &Tensor<4, K>,
+            (layout, held): (Layout, Held),
+            ranges: &[(usize, usize)],
+        ) -> Tensor<4, K> {
+            layout.laid_out(picked(&layout.positions(buffer, held), 2, ranges))
+        }
         let kept = ranges.iter().map(|&(_, len)| len).sum();
-        let axis = self.layout.axis();
-        let data = match self.data {
-            StoredData::Float { buffer, .. } => StoredData::Float {
-                buffer: picked(&buffer, axis, ranges),
-                len: kept,
-            },
-            StoredData::Int8 { values, scales, .. } => StoredData::Int8 {
-                values: picked(&values, axis, ranges),
-                scales: picked(&scales, axis, ranges),
-                len: kept,
+        let from = (self.layout, held);
+        let elements = match self.elements {
+            Elements::Float(buffer) => Elements::Float(kept_of(&buffer, from, ranges)),
+            Elements::Int8 { values, scales } => Elements::Int8 {
+                values: kept_of(&values, from, ranges),
+                scales: kept_of(&scales, from, ranges),
             },
         };
-        Self { data, ..self }
+        Self {
+            elements,
+            held: Held {
+                evicted: 0,
+                len: kept,
+            },
+            layout: self.layout,
+        }
     }
 
     /// Bytes the stored tensors take.
     pub(super) fn bytes(&self) -> usize {
         let size = |dims: [usize; 4], dtype: DType| dims.iter().product::<usize>() * dtype.size();
-        match &self.data {
-            StoredData::Float { buffer, .. } => size(buffer.dims(), buffer.dtype()),
-            StoredData::Int8 { values, scales, .. } => {
+        match &self.elements {
+            Elements::Float(buffer) => size(buffer.dims(), buffer.dtype()),
+            Elements::Int8 { values, scales } => {
                 size(values.dims(), values.dtype()) + size(scales.dims(), scales.dtype())
             }
         }
     }
-}
-
-/// Positions `0..len` along `axis` of a buffer with room for more (the whole buffer when it
-/// has none).
-fn stored_part<K: Basic>(buffer: &Tensor<4, K>, axis: usize, len: usize) -> Tensor<4, K> {
-    if buffer.dims()[axis] == len {
-        buffer.clone()
-    } else {
-        buffer.clone().narrow(axis, 0, len)
-    }
-}
-
-/// `buffer`'s positions `0..len`, then `new`'s, along `axis`: written into the buffer's spare
-/// positions in place where they fit (a uniquely held buffer on flex), so that a decoding step
-/// copies only its own keys, not the whole cache; else into a new buffer with room for up to as
-/// many positions again, but never more than `max_positions` in all.
-fn appended<K: Basic>(
-    buffer: Tensor<4, K>,
-    len: usize,
-    new: Tensor<4, K>,
-    axis: usize,
-    max_positions: usize,
-) -> Tensor<4, K> {
-    let dims = buffer.dims();
-    let capacity = dims[axis];
-    let total = len + new.dims()[axis];
-    if total <= capacity {
-        let mut ranges = dims.map(|size| 0..size);
-        ranges[axis] = len..total;
-        return buffer.slice_assign(ranges, new);
-    }
-    let spare = (2 * capacity).min(max_positions).max(total) - total;
-    let mut parts = vec![buffer.narrow(axis, 0, len), new];
-    if spare > 0 {
-        let mut shape = dims;
-        shape[axis] = spare;
-        let zeros = Tensor::zeros(shape, (&parts[0].device(), parts[0].dtype()));
-        parts.push(zeros);
-    }
-    Tensor::cat(parts, axis)
 }

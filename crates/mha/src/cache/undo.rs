@@ -5,8 +5,9 @@
 //!
 //! A cache that keeps every position (or up to a capacity) appends in place, so the step is
 //! taken back by shortening what it holds to the positions before it: the buffer's positions
-//! past them are spare room again. A window compacts into new tensors at every step, so the
-//! tensors before the step are kept (shared, not copied) until the next one.
+//! past them are spare room again. A window evicts positions (and now and then moves what it
+//! keeps), so the tensors before the step are kept until the next one: shared, which makes the
+//! step write into copies of them rather than into them.
 
 use burn::tensor::{Bool, Tensor};
 

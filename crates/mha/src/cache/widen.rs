@@ -9,8 +9,7 @@ use burn::backend::{Backend, Dispatch, backend_extension};
 use burn::tensor::{DType, Int, Tensor};
 use rayon::prelude::*;
 
-use super::stored::Layout;
-use crate::cpu::matrix::{HeadIndex, Matrix};
+use crate::cpu::matrix::HeadIndex;
 use crate::cpu::simd;
 use crate::cpu::storage::{CpuStorage, native_storage};
 use crate::execution::FreshOutputs;
@@ -19,10 +18,8 @@ use crate::execution::FreshOutputs;
 /// them costs about what the copy does (about 0.1 ms, `decoding` bench's `parallel_pair`).
 const PARALLEL_ELEMENTS: usize = 1 << 20;
 
-/// A compressed cache's stored positions of one side (keys or values), position-major
-/// (`[batch, heads, stored, dim]`, an int8 side's scales `[batch, heads, stored, 1]`) or
-/// feature-major (`[batch, heads, dim, stored]`, scales `[batch, heads, 1, stored]`: a
-/// compressed cache's keys) as [`Layout`] says.
+/// A compressed cache's stored positions of one side (keys or values), `[batch, heads, stored,
+/// dim]` (an int8 side's scales `[batch, heads, stored, 1]`).
 #[derive(Clone, Copy)]
 pub(crate) enum Compressed<'a> {
     /// f16.
@@ -44,28 +41,21 @@ pub(crate) trait CacheWidenBackend: Backend {
     ///
     /// # Shapes
     ///
-    /// - stored: `[batch, heads, stored, dim]`, f16 (`[batch, heads, dim, stored]` where
-    ///   `feature_major`)
+    /// - stored: `[batch, heads, stored, dim]`, f16
     /// - rows: `[batch, heads, new, dim]`, f32
     /// - output: `[batch, heads, stored + new, dim]`, f32
-    fn half_then_rows(
-        stored: FloatTensor<Self>,
-        rows: FloatTensor<Self>,
-        feature_major: bool,
-    ) -> FloatTensor<Self>;
+    fn half_then_rows(stored: FloatTensor<Self>, rows: FloatTensor<Self>) -> FloatTensor<Self>;
 
     /// `values · scales` as f32, then `rows`, along the positions.
     ///
     /// # Shapes
     ///
     /// - values: `[batch, heads, stored, dim]`, i8; scales: `[batch, heads, stored, 1]`, f32
-    ///   (`[batch, heads, dim, stored]` and `[batch, heads, 1, stored]` where `feature_major`)
     /// - rows, output: as in [`CacheWidenBackend::half_then_rows`]
     fn int8_then_rows(
         values: IntTensor<Self>,
         scales: FloatTensor<Self>,
         rows: FloatTensor<Self>,
-        feature_major: bool,
     ) -> FloatTensor<Self>;
 }
 
@@ -75,14 +65,15 @@ macro_rules! native_cache_widen_backend {
             fn half_then_rows(
                 stored: FloatTensor<Self>,
                 rows: FloatTensor<Self>,
-                feature_major: bool,
             ) -> FloatTensor<Self> {
                 let stored = Self::half_readable(&stored).expect("widen: f16 positions");
                 let stored = Self::half_heads_view(&stored).expect("a readable layout");
-                let shape = positions_shape(stored.shape(), feature_major);
-                then_rows::<Self>(shape, &rows, |past, index, _| {
-                    let head = positions(stored.head(index), feature_major);
-                    widen_head(head, past, simd::widen_half);
+                then_rows::<Self>(stored.shape(), &rows, |past, index, dim| {
+                    let head = stored.head(index);
+                    let mut scratch = Vec::new();
+                    for (position, out) in past.chunks_exact_mut(dim).enumerate() {
+                        simd::widen_half(out, head.row_or_copy(position, &mut scratch));
+                    }
                 })
             }
 
@@ -90,35 +81,23 @@ macro_rules! native_cache_widen_backend {
                 values: IntTensor<Self>,
                 scales: FloatTensor<Self>,
                 rows: FloatTensor<Self>,
-                feature_major: bool,
             ) -> FloatTensor<Self> {
                 let values = Self::int8_readable(&values).expect("widen: i8 positions");
                 let values = Self::int8_heads_view(&values).expect("a readable layout");
                 let scales = Self::readable(&scales).expect("widen: f32 scales");
                 let scales = Self::heads_view(&scales).expect("a readable layout");
-                let shape = positions_shape(values.shape(), feature_major);
+                let shape = values.shape();
                 assert_eq!(
-                    positions_shape(scales.shape(), feature_major),
+                    scales.shape(),
                     [shape[0], shape[1], shape[2], 1],
                     "widen: one scale per stored position"
                 );
                 then_rows::<Self>(shape, &rows, |past, index, dim| {
-                    let head = positions(values.head(index), feature_major);
-                    let scales = positions(scales.head(index), feature_major);
-                    let scale = |position: usize| scales.values[position * scales.row_stride];
-                    if !feature_major {
-                        for (position, out) in past.chunks_exact_mut(dim).enumerate() {
-                            let row = &head.values[position * head.row_stride..][..dim];
-                            simd::dequantize_row(out, row, scale(position));
-                        }
-                        return;
-                    }
-                    // The i8 as floats, then each position times its scale: `x · 1 · s` is
-                    // `x · s` to the bit.
-                    widen_head(head, past, |out, row| simd::dequantize_row(out, row, 1.0));
+                    let (head, scales) = (values.head(index), scales.head(index));
                     for (position, out) in past.chunks_exact_mut(dim).enumerate() {
-                        let scale = scale(position);
-                        out.iter_mut().for_each(|value| *value *= scale);
+                        let row = &head.values[position * head.row_stride..][..dim];
+                        let scale = scales.values[position * scales.row_stride];
+                        simd::dequantize_row(out, row, scale);
                     }
                 })
             }
@@ -130,65 +109,6 @@ macro_rules! native_cache_widen_backend {
 native_cache_widen_backend!(burn::backend::Flex);
 #[cfg(feature = "ndarray")]
 native_cache_widen_backend!(burn::backend::NdArray);
-
-/// The `[batch, heads, stored, dim]` shape of stored positions of `shape`, feature-major or
-/// not.
-fn positions_shape([batch, heads, rows, columns]: [usize; 4], feature_major: bool) -> [usize; 4] {
-    if feature_major {
-        [batch, heads, columns, rows]
-    } else {
-        [batch, heads, rows, columns]
-    }
-}
-
-/// A head's stored positions as `[stored, dim]` rows, feature-major or not.
-fn positions<E>(head: Matrix<E>, feature_major: bool) -> Matrix<E> {
-    if feature_major {
-        head.transposed()
-    } else {
-        head
-    }
-}
-
-/// Positions of a feature-major head widened at a time ([`widen_head`]): a block of 64 by a
-/// head width of 64 is 16 KiB, inside the L1 cache. Two heads of 4096 positions (flex, AMD EPYC
-/// Zen 5): 125-138 µs feature-major against 67-85 µs position-major; runs of 32 took 163-169
-/// µs, of 128 131-137, and writing each run's elements straight into their rows 196-311.
-const TRANSPOSED_RUN: usize = 64;
-
-/// `head` (`[stored, dim]`) widened into `out` as dense rows, `widen` converting a contiguous
-/// run of elements: row by row where a position's features are adjacent; where a feature's
-/// positions are (a compressed cache's keys), [`TRANSPOSED_RUN`] positions of every feature
-/// into a block, then the block into the positions' rows.
-fn widen_head<E: Copy>(head: Matrix<E>, out: &mut [f32], widen: impl Fn(&mut [f32], &[E])) {
-    let dim = head.columns;
-    if dim == 0 {
-        return;
-    }
-    if head.row_stride == 1 && head.column_stride != 1 {
-        // Each feature's run widened into a block `[dim, run]`, which is then written into the
-        // run's rows: both passes over contiguous memory, the transpose inside the L1 cache.
-        let mut block = vec![0.0f32; dim * TRANSPOSED_RUN];
-        for first in (0..head.rows).step_by(TRANSPOSED_RUN) {
-            let count = TRANSPOSED_RUN.min(head.rows - first);
-            for (feature, run) in block.chunks_exact_mut(TRANSPOSED_RUN).enumerate() {
-                let start = feature * head.column_stride + first;
-                widen(&mut run[..count], &head.values[start..start + count]);
-            }
-            let rows = &mut out[first * dim..(first + count) * dim];
-            for (offset, row) in rows.chunks_exact_mut(dim).enumerate() {
-                for (feature, value) in row.iter_mut().enumerate() {
-                    *value = block[feature * TRANSPOSED_RUN + offset];
-                }
-            }
-        }
-        return;
-    }
-    let mut scratch = Vec::new();
-    for (position, out) in out.chunks_exact_mut(dim).enumerate() {
-        widen(out, head.row_or_copy(position, &mut scratch));
-    }
-}
 
 /// `[batch, heads, stored + new, dim]` in f32: for each head, `widen_head` writes the stored
 /// positions (`stored` rows of `dim`, given the head and `dim`), then `rows`' are copied after
@@ -237,14 +157,10 @@ fn then_rows<B: CpuStorage>(
     B::contiguous(output, shape)
 }
 
-/// `stored` (in `layout`) widened to f32 with `rows` (f32) after it along the positions, in one
+/// `stored` widened to f32 with `rows` (f32) after it along the positions, in one
 /// pass where the device is flex or ndarray outside autodiff; `None` elsewhere (the caller uses
 /// tensor ops).
-pub(crate) fn widened_then_rows(
-    stored: Compressed,
-    layout: Layout,
-    rows: &Tensor<4>,
-) -> Option<Tensor<4>> {
+pub(crate) fn widened_then_rows(stored: Compressed, rows: &Tensor<4>) -> Option<Tensor<4>> {
     let device = rows.device();
     let stored_as_expected = match stored {
         Compressed::Half(positions) => positions.dtype() == DType::F16,
@@ -260,18 +176,14 @@ pub(crate) fn widened_then_rows(
         return None;
     }
     let rows = rows.clone().into_dispatch();
-    let feature_major = layout == Layout::FeatureMajor;
     let widened = match stored {
-        Compressed::Half(positions) => <Dispatch as CacheWidenBackend>::half_then_rows(
-            positions.clone().into_dispatch(),
-            rows,
-            feature_major,
-        ),
+        Compressed::Half(positions) => {
+            <Dispatch as CacheWidenBackend>::half_then_rows(positions.clone().into_dispatch(), rows)
+        }
         Compressed::Int8 { values, scales } => <Dispatch as CacheWidenBackend>::int8_then_rows(
             values.clone().into_dispatch(),
             scales.clone().into_dispatch(),
             rows,
-            feature_major,
         ),
     };
     Some(Tensor::from_dispatch(widened))
@@ -306,34 +218,6 @@ mod tests {
         (buffer, rows.swap_dims(1, 2))
     }
 
-    /// The layouts a cache stores positions in: position-major, and feature-major (a
-    /// compressed cache's keys).
-    const LAYOUTS: [Layout; 2] = [Layout::PositionMajor, Layout::FeatureMajor];
-
-    /// The first `stored` positions of `buffer` (`[batch, heads, positions, dim]`) as a cache
-    /// in `layout` holds them (feature-major: a contiguous `[batch, heads, dim, positions]`
-    /// narrowed along its last axis), and as `[batch, heads, stored, dim]`.
-    fn stored_in<K: burn::tensor::kind::Basic>(
-        buffer: Tensor<4, K>,
-        layout: Layout,
-        stored: usize,
-    ) -> (Tensor<4, K>, Tensor<4, K>) {
-        let positions = buffer.clone().narrow(2, 0, stored);
-        match layout {
-            Layout::FeatureMajor => {
-                let [batch, heads, capacity, dim] = buffer.dims();
-                // A reshape of the transposed view copies it into feature-major memory.
-                let held = buffer
-                    .swap_dims(2, 3)
-                    .reshape([batch * heads, dim, capacity])
-                    .reshape([batch, heads, dim, capacity])
-                    .narrow(3, 0, stored);
-                (held, positions)
-            }
-            Layout::PositionMajor => (positions.clone(), positions),
-        }
-    }
-
     fn assert_same(actual: Tensor<4>, expected: Tensor<4>, what: &str) {
         assert_eq!(actual.dims(), expected.dims(), "{what}");
         let (actual, expected) = (actual.into_data(), expected.into_data());
@@ -363,14 +247,12 @@ mod tests {
             [1, 1, 1, 8],
             [1, 2, 37, 16],
         ] {
-            for layout in LAYOUTS {
-                let (buffer, rows) = buffer_and_rows(shape, 2, &device);
-                let (held, stored) = stored_in(buffer.cast(DType::F16), layout, shape[2]);
-                let actual = widened_then_rows(Compressed::Half(&held), layout, &rows)
-                    .expect("flex widens f16 positions");
-                let expected = Tensor::cat(vec![stored.cast(DType::F32), rows], 2);
-                assert_same(actual, expected, &format!("f16 {shape:?} {layout:?}"));
-            }
+            let (buffer, rows) = buffer_and_rows(shape, 2, &device);
+            let stored = buffer.cast(DType::F16).narrow(2, 0, shape[2]);
+            let actual = widened_then_rows(Compressed::Half(&stored), &rows)
+                .expect("flex widens f16 positions");
+            let expected = Tensor::cat(vec![stored.cast(DType::F32), rows], 2);
+            assert_same(actual, expected, &format!("f16 {shape:?}"));
         }
     }
 
@@ -382,27 +264,19 @@ mod tests {
         #[allow(deprecated)]
         let devices = [Device::flex(), Device::ndarray()];
         for device in devices {
-            for (shape, layout) in [[2, 3, 5, 4], [2, 2, 2048, 128], [1, 2, 37, 16]]
-                .into_iter()
-                .flat_map(|shape| LAYOUTS.map(|layout| (shape, layout)))
-            {
+            for shape in [[2, 3, 5, 4], [2, 2, 2048, 128], [1, 2, 37, 16]] {
                 let (buffer, rows) = buffer_and_rows(shape, 3, &device);
                 let quantized = quantize_int8(buffer);
-                let (held_values, values) = stored_in(quantized.values, layout, shape[2]);
-                let (held_scales, scales) = stored_in(quantized.scales, layout, shape[2]);
+                let values = quantized.values.narrow(2, 0, shape[2]);
+                let scales = quantized.scales.narrow(2, 0, shape[2]);
                 let held = Compressed::Int8 {
-                    values: &held_values,
-                    scales: &held_scales,
+                    values: &values,
+                    scales: &scales,
                 };
-                let actual =
-                    widened_then_rows(held, layout, &rows).expect("the CPU backends widen int8");
+                let actual = widened_then_rows(held, &rows).expect("the CPU backends widen int8");
                 let dequantized = dequantize_int8(values, scales, DType::F32);
                 let expected = Tensor::cat(vec![dequantized, rows], 2);
-                assert_same(
-                    actual,
-                    expected,
-                    &format!("int8 {shape:?} {layout:?} on {device:?}"),
-                );
+                assert_same(actual, expected, &format!("int8 {shape:?} on {device:?}"));
             }
         }
     }
@@ -413,7 +287,6 @@ mod tests {
         let device = Device::flex().autodiff();
         let (buffer, rows) = buffer_and_rows([1, 2, 3, 4], 1, &device);
         let stored = buffer.cast(DType::F16).narrow(2, 0, 3);
-        let layout = Layout::PositionMajor;
-        assert!(widened_then_rows(Compressed::Half(&stored), layout, &rows).is_none());
+        assert!(widened_then_rows(Compressed::Half(&stored), &rows).is_none());
     }
 }

@@ -219,10 +219,10 @@ pub(crate) fn native_paged_attention(
 }
 
 /// The context heads `[batch, n_heads, new, head_dim]` of a decoding step over a compressed
-/// [`KvCache`](crate::KvCache) read in place: each batch element is a sequence whose one block
-/// is its whole buffer (`cache`), `cache.stored` positions stored, its `new` rows causal
-/// among themselves, the first `hidden[element]` positions hidden (left padding; none without
-/// `hidden`), `window` as the cache and module combine it. `None` where the native kernel does
+/// [`KvCache`](crate::KvCache) read in place: each batch element is a sequence whose blocks
+/// are its tiles of `cache`'s buffers, `cache.stored` positions stored after `cache.evicted`
+/// evicted ones (hidden), its `new` rows causal among themselves, the first `hidden[element]`
+/// stored positions hidden (left padding; none without `hidden`), `window` as the cache and module combine it. `None` where the native kernel does
 /// not take the step (as [`native_paged_attention`]).
 ///
 /// `new` holds the query heads `[batch, n_heads, new, head_dim]` and the new key and value
@@ -246,9 +246,11 @@ pub(crate) fn native_cached_attention(
     let sequences = (0..batch)
         .map(|element| PagedSequence {
             rows: element * rows..(element + 1) * rows,
-            past: cache.stored,
-            blocks: vec![element],
-            hidden: hidden.map_or(0, |hidden| hidden[element]),
+            // Positions a window evicted are hidden as left padding is: the kernel's
+            // causality, window and ALiBi distances are all relative to a row's position.
+            past: cache.evicted + cache.stored,
+            blocks: cache.blocks_of(element),
+            hidden: cache.evicted + hidden.map_or(0, |hidden| hidden[element]),
         })
         .collect();
     let params = kernel_params(module, &new.query, sequences, window)?;
