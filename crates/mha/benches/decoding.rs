@@ -1,7 +1,7 @@
 //! Decoding speed against the memory-bandwidth bound: one token at a time, batch 1, with the KV
 //! cache at 512, 4096 and 16384 cached positions in each storage (f32, f16, int8; d_model 512,
 //! 8 query heads, 2 key/value heads unless `--kv-heads` says otherwise, flex; every position
-//! kept, or a sliding window with `--window`), beside the bytes each step must read (the cached
+//! kept, or a window with `--window` and `--sinks`), beside the bytes each step must read (the cached
 //! keys and values as stored, and the four projection weights) and the time reading that many
 //! bytes takes at this machine's measured read bandwidth on one thread: a short step runs on
 //! one; a long one is spread over rayon's threads (the flash kernel's heads in f32, parts of
@@ -13,7 +13,8 @@
 //! `cargo bench --workspace --features burn-mha/wgpu,train-demo/ndarray,train-demo/wgpu --bench decoding`
 //! (options: `--positions 512,4096,16384`, `--steps 64`, `--concurrent 1,8,32`, `--rounds 16`, `--block-size 16`,
 //! `--ways paged,padded,single`, `--storage float,half,int8`, `--layers 1`, `--kv-heads 2`,
-//! `--window W` (none by default); an empty list skips its table).
+//! `--window W` (none by default), `--sinks S` (0; with `--window`, a streaming window); an empty
+//! list skips its table).
 
 use std::time::Instant;
 
@@ -106,6 +107,8 @@ struct Options {
     kv_heads: usize,
     /// The one-sequence table's caches keep a sliding window of this many positions.
     window: Option<usize>,
+    /// With `window`, the first positions kept too (a streaming window's sinks).
+    sinks: usize,
 }
 
 impl Options {
@@ -125,6 +128,7 @@ impl Options {
             layers: 1,
             kv_heads: 2,
             window: None,
+            sinks: 0,
         };
         let list = |text: String, name: &str| -> Vec<usize> {
             text.split(',')
@@ -156,6 +160,7 @@ impl Options {
                     assert!(window > 1, "--window: at least 2");
                     options.window = Some(window);
                 }
+                "--sinks" => options.sinks = value().parse().expect("--sinks: a number"),
                 "--block-size" => {
                     options.block_size = value().parse().expect("--block-size: a number")
                 }
@@ -251,13 +256,13 @@ fn one_sequence_table(
     let steps = options.steps;
     let (head_dim, kv_heads) = (D_MODEL / HEADS, options.kv_heads);
     let weight_bytes = 4 * (2 * D_MODEL * D_MODEL + 2 * D_MODEL * kv_heads * head_dim);
-    let window = options.window;
-    let held = |cached: usize| window.map_or(cached, |window| cached.min(window - 1));
+    let (window, sinks) = (options.window, options.sinks);
+    let held = |cached: usize| window.map_or(cached, |window| cached.min(sinks + window - 1));
     match window {
         // A window's cache moves its positions now and then (a step's mean includes it).
         Some(window) => println!(
-            "\nbatch 1, a sliding window of {window} (the cache holding the latest {} positions), \
-             median and mean of {steps} steps\n",
+            "\nbatch 1, a window of {window} and {sinks} sinks (the cache holding the first {sinks} \
+             and the latest {} positions), median and mean of {steps} steps\n",
             window - 1
         ),
         None => println!("\nbatch 1, median and mean of {steps} steps\n"),
@@ -274,6 +279,9 @@ fn one_sequence_table(
             .map(move |cached| (storage, cached))
     }) {
         let mut cache = match window {
+            Some(window) if sinks > 0 => {
+                KvCache::with_limit(CacheLimit::StreamingWindow { sinks, window })
+            }
             Some(window) => KvCache::with_limit(CacheLimit::SlidingWindow(window)),
             None => KvCache::new(),
         }

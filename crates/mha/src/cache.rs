@@ -328,9 +328,9 @@ impl KvCache {
 
     /// Bytes the key and value buffers take (padding not counted); a cache's buffers keep room
     /// for as many positions again as they hold at most, so that appending does not copy the
-    /// cache at every step: under a sliding window, room for 64 positions past the window,
-    /// where it leaves the positions it evicts until there are 64 (it moves what it keeps once
-    /// every 64 decoding steps, not at every step); under a window with sinks, none. An f16 or
+    /// cache at every step: under a window, room for 64 positions past the window (and its
+    /// sinks), where it leaves the positions it evicts until there are 64 (it moves what it
+    /// keeps once every 64 decoding steps, not at every step). An f16 or
     /// int8 cache on flex or ndarray holds whole tiles of 64 positions (up to 63 more), which
     /// a decoding step reads in place as a paged pool's blocks. A windowed layer's cache in a
     /// Transformer stack also holds its buffers from before the last step (not counted), to
@@ -478,7 +478,12 @@ impl KvCache {
             return None;
         };
         let held = key.held();
-        if held.len == 0 || !matches!(value.layout(), Layout::Tiles { .. }) || value.held() != held
+        // The kernel hides positions at the front of a sequence, not between held ones.
+        let hole = held.pinned > 0 && held.evicted > 0;
+        if held.len == 0
+            || hole
+            || !matches!(value.layout(), Layout::Tiles { .. })
+            || value.held() != held
         {
             return None;
         }
@@ -561,14 +566,15 @@ impl KvCache {
         let storage = self.storage;
         match (self.key.take(), self.value.take()) {
             (Some(past_key), Some(past_value)) => {
-                // Room to grow where every position is kept; a sliding window's for the
-                // positions it evicts in place (`Held::evicted`); a window with sinks compacts
-                // at every step.
+                // Room to grow where every position is kept; a window's for the positions it
+                // evicts in place (`Held::evicted`).
                 let max_positions = match self.limit {
                     CacheLimit::Unbounded => usize::MAX,
                     CacheLimit::Fixed(capacity) => capacity,
                     CacheLimit::SlidingWindow(window) => window + EVICTION_SLACK,
-                    CacheLimit::StreamingWindow { .. } => 0,
+                    CacheLimit::StreamingWindow { sinks, window } => {
+                        sinks + window + EVICTION_SLACK
+                    }
                 };
                 (
                     past_key.cat(new_key, storage, max_positions),

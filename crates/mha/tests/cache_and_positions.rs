@@ -806,7 +806,7 @@ fn streaming_mask(seq: usize, sinks: usize, window: usize, device: &Device) -> T
 fn streaming_window_cache_keeps_its_sinks_and_equals_the_masked_forward() {
     for (name, device) in test_devices() {
         let _seed = common::seed(&device, 19);
-        let (sinks, window, seq) = (2, 3, 12);
+        let (sinks, window, seq) = (2, 3, 80);
         for (label, config) in [
             (
                 "gqa+rope",
@@ -827,7 +827,13 @@ fn streaming_window_cache_keeps_its_sinks_and_equals_the_masked_forward() {
                         .attn_mask(streaming_mask(seq, sinks, window, &device)),
                 )
                 .context;
-            for chunks in [vec![1; seq], vec![3, 1, 4, 2, 2], vec![1, 5, 6]] {
+            // The positions evicted between the sinks and the window pass 64 (when the cache
+            // moves what it keeps together) in one step, and over several.
+            for chunks in [
+                [vec![1; 12], vec![68]].concat(),
+                vec![3, 1, 4, 2, 2, 30, 30, 8],
+                vec![1, 5, 6, 68],
+            ] {
                 let mut cache = KvCache::with_limit(CacheLimit::StreamingWindow { sinks, window });
                 let decoded = decode(&module, &x, &chunks, &mut cache);
                 assert!(
@@ -1019,22 +1025,28 @@ fn caches_reserve_at_most_their_size_again_and_never_past_a_fixed_capacity() {
     }
 }
 
-/// A sliding window's cache leaves the positions it evicts in its buffer until there are 64,
-/// then moves what it keeps to the front: however long the sequence, its buffers hold the
-/// window, 64 evicted positions and room for 64 more (in tiles of 64 for int8 on flex).
+/// A window's cache leaves the positions it evicts in its buffer until there are 64, then
+/// moves what it keeps together: however long the sequence, its buffers hold the window (and
+/// its sinks), 64 evicted positions and room for 64 more (in tiles of 64 for int8 on flex).
 #[test]
-fn a_sliding_window_cache_holds_a_bounded_buffer_however_long_the_sequence() {
+fn a_window_cache_holds_a_bounded_buffer_however_long_the_sequence() {
     let device = Device::flex();
     let module = MultiHeadAttentionConfig::new(16, 4)
         .with_n_kv_heads(Some(2))
         .init(&device);
     let window = 8;
-    for (storage, per_position) in [
+    for ((storage, per_position), sinks) in [
         (CacheStorage::Float, 2 * 2 * 4 * 4),
         (CacheStorage::Int8, 2 * 2 * (4 + 4)),
-    ] {
-        let mut cache =
-            KvCache::with_limit(CacheLimit::SlidingWindow(window)).with_storage(storage);
+    ]
+    .into_iter()
+    .flat_map(|storage| [(storage, 0), (storage, 2)])
+    {
+        let limit = match sinks {
+            0 => CacheLimit::SlidingWindow(window),
+            _ => CacheLimit::StreamingWindow { sinks, window },
+        };
+        let mut cache = KvCache::with_limit(limit).with_storage(storage);
         let mut most = 0;
         for _ in 0..300 {
             module
@@ -1045,10 +1057,10 @@ fn a_sliding_window_cache_holds_a_bounded_buffer_however_long_the_sequence() {
                 .expect("a window evicts");
             most = most.max(cache.bytes() / per_position);
         }
-        assert_eq!((cache.len(), cache.stored()), (300, window - 1));
+        assert_eq!((cache.len(), cache.stored()), (300, sinks + window - 1));
         assert!(
-            most <= (window + 2 * 64).next_multiple_of(64),
-            "{storage:?}: {most} positions held for a window of {window}"
+            most <= (sinks + window + 2 * 64).next_multiple_of(64),
+            "{storage:?}: {most} positions held for a window of {window} and {sinks} sinks"
         );
     }
 }

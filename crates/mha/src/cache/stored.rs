@@ -21,27 +21,59 @@ pub(super) struct Stored {
     layout: Layout,
 }
 
-/// Positions a sliding window leaves evicted at the front of a buffer before it moves the ones
-/// it keeps to the front ([`Held::evicted`]): a tile's worth.
+/// Positions a window leaves evicted in a buffer before it moves the ones it keeps together
+/// ([`Held::evicted`]): a tile's worth.
 pub(super) const EVICTION_SLACK: usize = TILE;
 
-/// Which of a buffer's positions a [`Stored`] holds: `len` after the `evicted` first.
+/// Which of a buffer's positions a [`Stored`] holds: the first `pinned`, then, after `evicted`
+/// positions a window evicted, the other `len - pinned`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Held {
-    /// Positions at the front of the buffer that a sliding window evicted, left where they lie
-    /// (and hidden from the in-place kernel) until there are [`EVICTION_SLACK`] of them: a
-    /// window's cache then moves its positions once every 64 decoding steps, not at every step
-    /// (which took 20x an unbounded cache's step in f32 at a window of 4096, 8 heads, on flex:
-    /// fresh buffers' page faults and copies).
+    /// Positions held at the front of the buffer before the evicted ones: a streaming window's
+    /// sinks (0 for a sliding window, whose evicted positions are the buffer's first).
+    pub pinned: usize,
+    /// Positions a window evicted, left where they lie (and hidden from the in-place kernel)
+    /// until there are [`EVICTION_SLACK`] of them: a window's cache then moves its positions
+    /// once every 64 decoding steps, not at every step (which took 20x an unbounded cache's
+    /// step in f32 at a window of 4096, 8 heads, on flex: fresh buffers' page faults and
+    /// copies).
     pub evicted: usize,
-    /// Positions held after them.
+    /// Positions held, the pinned ones included.
     pub len: usize,
 }
 
 impl Held {
+    /// `len` positions, the buffer's first.
+    fn first(len: usize) -> Self {
+        Self {
+            pinned: 0,
+            evicted: 0,
+            len,
+        }
+    }
+
     /// The buffer position after the last held one.
     fn end(self) -> usize {
         self.evicted + self.len
+    }
+
+    /// What is held after a window keeps `ranges` (of the held positions, in order) in place,
+    /// the positions between them evicted; `None` where it cannot: the ranges are not the
+    /// first positions then the latest, or too many would be evicted.
+    fn keeping(self, ranges: &[(usize, usize)]) -> Option<Self> {
+        let (pinned, (start, len)) = match *ranges {
+            [latest] => (0, latest),
+            [(0, pinned), latest] => (pinned, latest),
+            _ => return None,
+        };
+        // The pinned positions are the ones pinned before, or the buffer's first.
+        let pins_in_place = pinned == self.pinned || self.evicted == 0;
+        let evicted = self.evicted + start.checked_sub(pinned)?;
+        (pins_in_place && start + len == self.len && evicted < EVICTION_SLACK).then_some(Self {
+            pinned,
+            evicted,
+            len: pinned + len,
+        })
     }
 }
 
@@ -94,14 +126,26 @@ impl Layout {
 
     /// The `held` positions of `buffer` as `[batch, heads, held.len, dim]`.
     fn positions<K: Basic>(self, buffer: &Tensor<4, K>, held: Held) -> Tensor<4, K> {
-        let Held { evicted, len } = held;
-        match self {
-            Self::PositionMajor if buffer.dims()[2] == len => buffer.clone(),
-            Self::PositionMajor => buffer.clone().narrow(2, evicted, len),
-            Self::Tiles { batch, within } if evicted == 0 => untiled(buffer, within, batch, len),
-            Self::Tiles { batch, within } => {
-                untiled(buffer, within, batch, held.end()).narrow(2, evicted, len)
-            }
+        let Held {
+            pinned,
+            evicted,
+            len,
+        } = held;
+        let in_order = match self {
+            Self::PositionMajor if buffer.dims()[2] == len => return buffer.clone(),
+            Self::PositionMajor => buffer.clone(),
+            Self::Tiles { batch, within } => untiled(buffer, within, batch, held.end()),
+        };
+        match (evicted, pinned) {
+            (0, _) => in_order.narrow(2, 0, len),
+            (_, 0) => in_order.narrow(2, evicted, len),
+            _ => Tensor::cat(
+                vec![
+                    in_order.clone().narrow(2, 0, pinned),
+                    in_order.narrow(2, pinned + evicted, len - pinned),
+                ],
+                2,
+            ),
         }
     }
 
@@ -204,7 +248,7 @@ impl Stored {
         };
         Self {
             elements,
-            held: Held { evicted: 0, len },
+            held: Held::first(len),
             layout,
         }
     }
@@ -344,20 +388,13 @@ impl Stored {
         }
     }
 
-    /// Positions `ranges` (in order), concatenated: where they are the latest positions (a
-    /// sliding window's), by evicting the ones before them in place while fewer than
-    /// [`EVICTION_SLACK`] are ([`Held::evicted`]); else into a new buffer.
+    /// Positions `ranges` (in order), concatenated: where they are the first positions then
+    /// the latest (a window's, with its sinks), by evicting the ones between in place while
+    /// fewer than [`EVICTION_SLACK`] are ([`Held::keeping`]); else into a new buffer.
     pub(super) fn select(self, ranges: &[(usize, usize)]) -> Self {
         let held = self.held;
-        if let &[(start, len)] = ranges
-            && start + len == held.len
-            && held.evicted + start < EVICTION_SLACK
-        {
-            let evicted = held.evicted + start;
-            return Self {
-                held: Held { evicted, len },
-                ..self
-            };
+        if let Some(kept) = held.keeping(ranges) {
+            return Self { held: kept, ..self };
         }
         fn kept_of<K: Basic>(
             buffer: &Tensor<4, K>,
@@ -377,10 +414,7 @@ impl Stored {
         };
         Self {
             elements,
-            held: Held {
-                evicted: 0,
-                len: kept,
-            },
+            held: Held::first(kept),
             layout: self.layout,
         }
     }
