@@ -478,12 +478,7 @@ impl KvCache {
             return None;
         };
         let held = key.held();
-        // The kernel hides positions at the front of a sequence, not between held ones.
-        let hole = held.pinned > 0 && held.evicted > 0;
-        if held.len == 0
-            || hole
-            || !matches!(value.layout(), Layout::Tiles { .. })
-            || value.held() != held
+        if held.len == 0 || !matches!(value.layout(), Layout::Tiles { .. }) || value.held() != held
         {
             return None;
         }

@@ -227,3 +227,51 @@ fn masked_steps_are_widened_and_the_steps_after_them_stay_right() {
         fresh.step(randn([1, 1, D_MODEL], &device), |input| input.causal());
     }
 }
+
+/// A streaming window's compressed cache evicts in place, moving its sinks next to its
+/// window, and reads what it keeps out of its tiles: every step gives what a cache that keeps
+/// every position gives under the window's mask (over every position fed), past 64 evicted
+/// positions and over a batch.
+#[test]
+fn a_streaming_window_evicting_in_tiles_equals_the_masked_full_cache() {
+    let device = Device::flex();
+    let _seed = common::seed(&device, 67);
+    let module = MultiHeadAttentionConfig::new(D_MODEL, 4)
+        .with_n_kv_heads(Some(2))
+        .with_rope(Some(RopeConfig::new()))
+        .init(&device);
+    let (sinks, window) = (3, 6);
+    // Row `q` (of the positions fed) may not see key `k`: after it, or between the sinks and
+    // the window.
+    let hidden = |q: usize, k: usize| k > q || (k >= sinks && k + window <= q);
+    for storage in compressed_storages(&device) {
+        let mut streaming = KvCache::with_limit(CacheLimit::StreamingWindow { sinks, window })
+            .with_storage(storage);
+        let mut every = KvCache::new().with_storage(storage);
+        let mut fed = 0;
+        for (step, new) in [5, 1, 1, 2, 30, 1, 40, 1, 1].into_iter().enumerate() {
+            let x = randn([2, new, D_MODEL], &device);
+            let flags: Vec<bool> = (fed..fed + new)
+                .flat_map(|q| (0..fed + new).map(move |k| hidden(q, k)))
+                .collect();
+            let mask =
+                Tensor::<2, Bool>::from_data(TensorData::new(flags, [new, fed + new]), &device);
+            let expected = module
+                .forward_cached(MhaInput::self_attn(x.clone()).attn_mask(mask), &mut every)
+                .unwrap()
+                .context;
+            let actual = module
+                .forward_cached(MhaInput::self_attn(x).causal(), &mut streaming)
+                .unwrap()
+                .context;
+            fed += new;
+            assert_close(
+                &format!("{storage:?}: step {step} of {new}"),
+                actual,
+                expected,
+                1e-5,
+            );
+        }
+        assert_eq!(streaming.stored(), sinks + window - 1);
+    }
+}

@@ -25,31 +25,23 @@ pub(super) struct Stored {
 /// ([`Held::evicted`]): a tile's worth.
 pub(super) const EVICTION_SLACK: usize = TILE;
 
-/// Which of a buffer's positions a [`Stored`] holds: the first `pinned`, then, after `evicted`
-/// positions a window evicted, the other `len - pinned`.
+/// Which of a buffer's positions a [`Stored`] holds: `len` after the `evicted` first.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Held {
-    /// Positions held at the front of the buffer before the evicted ones: a streaming window's
-    /// sinks (0 for a sliding window, whose evicted positions are the buffer's first).
-    pub pinned: usize,
-    /// Positions a window evicted, left where they lie (and hidden from the in-place kernel)
-    /// until there are [`EVICTION_SLACK`] of them: a window's cache then moves its positions
-    /// once every 64 decoding steps, not at every step (which took 20x an unbounded cache's
-    /// step in f32 at a window of 4096, 8 heads, on flex: fresh buffers' page faults and
-    /// copies).
+    /// Positions at the front of the buffer that a window evicted, left where they lie (and
+    /// hidden from the in-place kernel) until there are [`EVICTION_SLACK`] of them: a window's
+    /// cache then moves its positions once every 64 decoding steps, not at every step (which
+    /// took 20x an unbounded cache's step in f32 at a window of 4096, 8 heads, on flex: fresh
+    /// buffers' page faults and copies).
     pub evicted: usize,
-    /// Positions held, the pinned ones included.
+    /// Positions held after them.
     pub len: usize,
 }
 
 impl Held {
     /// `len` positions, the buffer's first.
     fn first(len: usize) -> Self {
-        Self {
-            pinned: 0,
-            evicted: 0,
-            len,
-        }
+        Self { evicted: 0, len }
     }
 
     /// The buffer position after the last held one.
@@ -58,22 +50,60 @@ impl Held {
     }
 
     /// What is held after a window keeps `ranges` (of the held positions, in order) in place,
-    /// the positions between them evicted; `None` where it cannot: the ranges are not the
-    /// first positions then the latest, or too many would be evicted.
-    fn keeping(self, ranges: &[(usize, usize)]) -> Option<Self> {
-        let (pinned, (start, len)) = match *ranges {
+    /// and the sinks to move: for a window's latest positions, the ones before them are
+    /// evicted; for a streaming window's sinks (the first range) and latest positions, the ones
+    /// between are, and the sinks move to just before the latest, so that what is held stays
+    /// one run of the buffer. `None` where the ranges are neither, or too many positions would
+    /// be evicted.
+    fn keeping(self, ranges: &[(usize, usize)]) -> Option<(Self, Option<SinksMove>)> {
+        let (sinks, (start, len)) = match *ranges {
             [latest] => (0, latest),
-            [(0, pinned), latest] => (pinned, latest),
+            [(0, sinks), latest] => (sinks, latest),
             _ => return None,
         };
-        // The pinned positions are the ones pinned before, or the buffer's first.
-        let pins_in_place = pinned == self.pinned || self.evicted == 0;
-        let evicted = self.evicted + start.checked_sub(pinned)?;
-        (pins_in_place && start + len == self.len && evicted < EVICTION_SLACK).then_some(Self {
-            pinned,
+        let evicted = self.evicted + start.checked_sub(sinks)?;
+        if start + len != self.len || evicted >= EVICTION_SLACK {
+            return None;
+        }
+        let moved = (sinks > 0 && evicted > self.evicted).then_some(SinksMove {
+            from: self.evicted,
+            to: evicted,
+            count: sinks,
+        });
+        let held = Self {
             evicted,
-            len: pinned + len,
-        })
+            len: sinks + len,
+        };
+        Some((held, moved))
+    }
+}
+
+/// A streaming window's sinks moved within the buffer (see [`Held::keeping`]): `count`
+/// positions from buffer position `from` to `to`, a few positions a step where the window
+/// would otherwise be copied.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct SinksMove {
+    from: usize,
+    to: usize,
+    count: usize,
+}
+
+/// A tensor copied into memory of its own, so that writing it into the buffer it was read from
+/// finds that buffer held once (flex then writes in place, not into a copy of the buffer).
+trait Owned {
+    fn owned(self) -> Self;
+}
+
+impl Owned for Tensor<4> {
+    fn owned(self) -> Self {
+        // `x · 1` is `x` to the bit, -0 and NaN included.
+        self.mul_scalar(1.0)
+    }
+}
+
+impl Owned for Tensor<4, Int> {
+    fn owned(self) -> Self {
+        self.add_scalar(0)
     }
 }
 
@@ -126,26 +156,14 @@ impl Layout {
 
     /// The `held` positions of `buffer` as `[batch, heads, held.len, dim]`.
     fn positions<K: Basic>(self, buffer: &Tensor<4, K>, held: Held) -> Tensor<4, K> {
-        let Held {
-            pinned,
-            evicted,
-            len,
-        } = held;
-        let in_order = match self {
-            Self::PositionMajor if buffer.dims()[2] == len => return buffer.clone(),
-            Self::PositionMajor => buffer.clone(),
-            Self::Tiles { batch, within } => untiled(buffer, within, batch, held.end()),
-        };
-        match (evicted, pinned) {
-            (0, _) => in_order.narrow(2, 0, len),
-            (_, 0) => in_order.narrow(2, evicted, len),
-            _ => Tensor::cat(
-                vec![
-                    in_order.clone().narrow(2, 0, pinned),
-                    in_order.narrow(2, pinned + evicted, len - pinned),
-                ],
-                2,
-            ),
+        let Held { evicted, len } = held;
+        match self {
+            Self::PositionMajor if buffer.dims()[2] == len => buffer.clone(),
+            Self::PositionMajor => buffer.clone().narrow(2, evicted, len),
+            Self::Tiles { batch, within } if evicted == 0 => untiled(buffer, within, batch, len),
+            Self::Tiles { batch, within } => {
+                untiled(buffer, within, batch, held.end()).narrow(2, evicted, len)
+            }
         }
     }
 
@@ -169,11 +187,7 @@ impl Layout {
         };
         let grown_to = (2 * capacity).min(max_positions).max(total);
         match self {
-            Self::PositionMajor if total <= capacity => {
-                let mut ranges = dims.map(|size| 0..size);
-                ranges[2] = len..total;
-                buffer.slice_assign(ranges, new)
-            }
+            Self::PositionMajor if total <= capacity => self.written_at(buffer, len, new),
             Self::PositionMajor => {
                 let mut parts = vec![buffer.narrow(2, 0, len), new];
                 if grown_to > total {
@@ -184,15 +198,50 @@ impl Layout {
                 }
                 Tensor::cat(parts, 2)
             }
-            Self::Tiles { batch, within } => {
+            Self::Tiles { batch, .. } => {
                 let buffer = if total <= capacity {
                     buffer
                 } else {
                     grown(buffer, batch, tiles_for(grown_to))
                 };
-                written(buffer, within, batch, len, new)
+                self.written_at(buffer, len, new)
             }
         }
+    }
+
+    /// `buffer` with `new` (`[batch, heads, n, dim]`) written at positions `at..at + n`, in
+    /// place where flex holds the buffer once.
+    ///
+    /// # Panics
+    ///
+    /// If the positions do not fit the buffer.
+    fn written_at<K: Basic>(
+        self,
+        buffer: Tensor<4, K>,
+        at: usize,
+        new: Tensor<4, K>,
+    ) -> Tensor<4, K> {
+        match self {
+            Self::PositionMajor => {
+                let mut ranges = buffer.dims().map(|size| 0..size);
+                ranges[2] = at..at + new.dims()[2];
+                buffer.slice_assign(ranges, new)
+            }
+            Self::Tiles { batch, within } => written(buffer, within, batch, at, new),
+        }
+    }
+
+    /// `buffer` with a streaming window's sinks moved as `moved` says.
+    fn with_sinks_moved<K: Basic>(self, buffer: Tensor<4, K>, moved: SinksMove) -> Tensor<4, K>
+    where
+        Tensor<4, K>: Owned,
+    {
+        let sinks = Held {
+            evicted: moved.from,
+            len: moved.count,
+        };
+        let sinks = self.positions(&buffer, sinks).owned();
+        self.written_at(buffer, moved.to, sinks)
     }
 }
 
@@ -388,13 +437,28 @@ impl Stored {
         }
     }
 
-    /// Positions `ranges` (in order), concatenated: where they are the first positions then
-    /// the latest (a window's, with its sinks), by evicting the ones between in place while
-    /// fewer than [`EVICTION_SLACK`] are ([`Held::keeping`]); else into a new buffer.
+    /// Positions `ranges` (in order), concatenated: where they are a window's latest
+    /// positions (after its sinks), by evicting the others in place while fewer than
+    /// [`EVICTION_SLACK`] are ([`Held::keeping`]); else into a new buffer.
     pub(super) fn select(self, ranges: &[(usize, usize)]) -> Self {
         let held = self.held;
-        if let Some(kept) = held.keeping(ranges) {
-            return Self { held: kept, ..self };
+        if let Some((kept, moved)) = held.keeping(ranges) {
+            let layout = self.layout;
+            let elements = match (self.elements, moved) {
+                (elements, None) => elements,
+                (Elements::Float(buffer), Some(moved)) => {
+                    Elements::Float(layout.with_sinks_moved(buffer, moved))
+                }
+                (Elements::Int8 { values, scales }, Some(moved)) => Elements::Int8 {
+                    values: layout.with_sinks_moved(values, moved),
+                    scales: layout.with_sinks_moved(scales, moved),
+                },
+            };
+            return Self {
+                elements,
+                held: kept,
+                layout,
+            };
         }
         fn kept_of<K: Basic>(
             buffer: &Tensor<4, K>,
