@@ -103,16 +103,23 @@ impl MultiHeadAttention {
             (mask, _) => mask,
         };
         let window = self.step_window(step.window);
+        // A streaming window's one new row sees every position the cache holds (its sinks,
+        // then the latest ones, which it keeps next to each other): the in-place kernel reads
+        // them all, without a window. More rows would each see fewer of the latest ones, ALiBi
+        // measures from the sinks' first positions (the cache moved them), and a module's own
+        // window would hide some: those steps attend through the pinned keys' masks.
+        let whole_cache_seen =
+            step.pinned_keys > 0 && geometry.seq_q == 1 && !self.alibi && self.window.is_none();
         // What the in-place kernel computes: each new row over the cache and the new rows up
         // to itself, nothing else hidden, nothing but the context asked for.
         let in_place = InPlaceStep {
             plain: path == AttentionPath::Auto
                 && need_weights == NeedWeights::No
                 && attn_mask.is_none()
-                && step.pinned_keys == 0
+                && (step.pinned_keys == 0 || whole_cache_seen)
                 && (causal || geometry.seq_q == 1)
                 && geometry.seq_q <= IN_PLACE_ROWS,
-            window,
+            window: if whole_cache_seen { None } else { window },
         };
         let visibility = Visibility {
             key_padding: step.padding.clone(),
@@ -314,9 +321,9 @@ fn left_padding(padding: &Tensor<2, Bool>, stored: usize) -> Option<Vec<usize>> 
 /// Whether a [`KvCache`] step may be computed by the in-place kernel, and its window.
 #[derive(Debug, Clone, Copy)]
 struct InPlaceStep {
-    /// `Auto` path, no weights, no attention mask, no pinned keys, causal (or one
-    /// new row), at most [`IN_PLACE_ROWS`] new rows (more go to the flash kernel's matrix
-    /// products, as a paged step's prompts do).
+    /// `Auto` path, no weights, no attention mask, no pinned keys (but a streaming window's
+    /// one new row), causal (or one new row), at most [`IN_PLACE_ROWS`] new rows (more go to
+    /// the flash kernel's matrix products, as a paged step's prompts do).
     plain: bool,
     /// The cache's and the module's window, the shorter.
     window: Option<usize>,

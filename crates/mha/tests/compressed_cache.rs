@@ -236,15 +236,21 @@ fn masked_steps_are_widened_and_the_steps_after_them_stay_right() {
 fn a_streaming_window_evicting_in_tiles_equals_the_masked_full_cache() {
     let device = Device::flex();
     let _seed = common::seed(&device, 67);
-    let module = MultiHeadAttentionConfig::new(D_MODEL, 4)
-        .with_n_kv_heads(Some(2))
-        .with_rope(Some(RopeConfig::new()))
-        .init(&device);
     let (sinks, window) = (3, 6);
     // Row `q` (of the positions fed) may not see key `k`: after it, or between the sinks and
     // the window.
     let hidden = |q: usize, k: usize| k > q || (k >= sinks && k + window <= q);
-    for storage in compressed_storages(&device) {
+    let gqa_rope = MultiHeadAttentionConfig::new(D_MODEL, 4)
+        .with_n_kv_heads(Some(2))
+        .with_rope(Some(RopeConfig::new()));
+    // ALiBi measures from the sinks' first positions, wherever the cache keeps them.
+    let alibi = MultiHeadAttentionConfig::new(D_MODEL, 4).with_alibi(true);
+    for (config, storage) in [gqa_rope, alibi].into_iter().flat_map(|config| {
+        compressed_storages(&device)
+            .into_iter()
+            .map(move |s| (config.clone(), s))
+    }) {
+        let module = config.init(&device);
         let mut streaming = KvCache::with_limit(CacheLimit::StreamingWindow { sinks, window })
             .with_storage(storage);
         let mut every = KvCache::new().with_storage(storage);
