@@ -1,20 +1,20 @@
 //! Decoding speed against the memory-bandwidth bound: one token at a time, batch 1, with the KV
 //! cache at 512, 4096 and 16384 cached positions in each storage (f32, f16, int8; d_model 512,
 //! 8 query heads, 2 key/value heads unless `--kv-heads` says otherwise, flex; every position
-//! kept, or a window with `--window` and `--sinks`), beside the bytes each step must read (the cached
-//! keys and values as stored, and the four projection weights) and the time reading that many
-//! bytes takes at this machine's measured read bandwidth on one thread: a short step runs on
-//! one; a long one is spread over rayon's threads (the flash kernel's heads in f32, parts of
-//! the positions in f16 and int8) and can beat it.
+//! kept, or a window with `--window` and `--sinks`), beside the bytes each step must read (the
+//! cached keys and values as stored, and the four projection weights) and the time reading
+//! that many bytes takes at this machine's measured read bandwidth on one thread: a short step
+//! runs on one; a long one is spread over rayon's threads (the flash kernel's heads in f32,
+//! parts of the positions in f16 and int8) and can beat it.
 //!
 //! Then many sequences at once (`decoding/concurrent.rs`): continuous batching over a
 //! `PagedKvCache` against a padded `KvCache` batch and against one sequence at a time.
 //!
-//! `cargo bench --workspace --features burn-mha/wgpu,train-demo/ndarray,train-demo/wgpu --bench decoding`
-//! (options: `--positions 512,4096,16384`, `--steps 64`, `--concurrent 1,8,32`, `--rounds 16`, `--block-size 16`,
-//! `--ways paged,padded,single`, `--storage float,half,int8`, `--layers 1`, `--kv-heads 2`,
-//! `--window W` (none by default), `--sinks S` (0; with `--window`, a streaming window); an empty
-//! list skips its table).
+//! `cargo bench --workspace --features burn-mha/wgpu,train-demo/ndarray,train-demo/wgpu
+//! --bench decoding` (options: `--positions 512,4096,16384`, `--steps 64`, `--concurrent
+//! 1,8,32`, `--rounds 16`, `--block-size 16`, `--ways paged,padded,single`, `--storage
+//! float,half,int8`, `--layers 1`, `--kv-heads 2`, `--window W` (none by default), `--sinks S`
+//! (0; with `--window`, a streaming window); an empty list skips its table).
 
 use std::time::Instant;
 

@@ -325,7 +325,8 @@ struct InPlaceStep {
     /// one new row), causal (or one new row), at most [`IN_PLACE_ROWS`] new rows (more go to
     /// the flash kernel's matrix products, as a paged step's prompts do).
     plain: bool,
-    /// The cache's and the module's window, the shorter.
+    /// The cache's and the module's window, the shorter (none for a streaming window's one
+    /// new row, which sees every position the cache holds).
     window: Option<usize>,
 }
 

@@ -1,8 +1,8 @@
 //! What a step of a compressed [`KvCache`](super::KvCache) that the in-place kernel does not
 //! take attends to, written in one pass on flex and ndarray: the stored positions widened to
-//! f32 (f16, or i8 times its row's scale) with the step's own rows after them. The tensor ops make it in two: a cast or dequantization
-//! of the whole cache into one tensor, then a concatenation copying all of it again into
-//! another.
+//! f32 (f16, or i8 times its row's scale) with the step's own rows after them. The tensor ops
+//! make it in two: a cast or dequantization of the whole cache into one tensor, then a
+//! concatenation copying all of it again into another.
 
 use burn::backend::tensor::{FloatTensor, IntTensor};
 use burn::backend::{Backend, Dispatch, backend_extension};

@@ -222,8 +222,9 @@ pub(crate) fn native_paged_attention(
 /// [`KvCache`](crate::KvCache) read in place: each batch element is a sequence whose blocks
 /// are its tiles of `cache`'s buffers, `cache.stored` positions stored after `cache.evicted`
 /// evicted ones (hidden), its `new` rows causal among themselves, the first `hidden[element]`
-/// stored positions hidden (left padding; none without `hidden`), `window` as the cache and module combine it. `None` where the native kernel does
-/// not take the step (as [`native_paged_attention`]).
+/// stored positions hidden (left padding; none without `hidden`), `window` as the cache and
+/// module combine it. `None` where the native kernel does not take the step (as
+/// [`native_paged_attention`]).
 ///
 /// `new` holds the query heads `[batch, n_heads, new, head_dim]` and the new key and value
 /// heads `[batch, n_kv_heads, new, head_dim]`.
