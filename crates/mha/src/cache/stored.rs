@@ -10,7 +10,7 @@ use super::tiled::{TILE, Within, grown, tiled, tiles_for, untiled, written};
 #[cfg(any(feature = "flex", feature = "ndarray"))]
 use super::widen;
 use crate::cpu::storage::native_storage;
-use crate::paged::StoredBlocks;
+use crate::paged::{BlockTensor, StoredBlocks};
 
 /// Stored keys or values, `[batch, heads, capacity, dim]` (or, [`Layout::Tiles`], a paged
 /// pool's blocks), of which [`Stored::len`] positions are held ([`Held`]).
@@ -86,25 +86,6 @@ struct SinksMove {
     from: usize,
     to: usize,
     count: usize,
-}
-
-/// A tensor copied into memory of its own, so that writing it into the buffer it was read from
-/// finds that buffer held once (flex then writes in place, not into a copy of the buffer).
-trait Owned {
-    fn owned(self) -> Self;
-}
-
-impl Owned for Tensor<4> {
-    fn owned(self) -> Self {
-        // `x · 1` is `x` to the bit, -0 and NaN included.
-        self.mul_scalar(1.0)
-    }
-}
-
-impl Owned for Tensor<4, Int> {
-    fn owned(self) -> Self {
-        self.add_scalar(0)
-    }
 }
 
 /// How a [`Stored`]'s buffers lie.
@@ -234,13 +215,14 @@ impl Layout {
     /// `buffer` with a streaming window's sinks moved as `moved` says.
     fn with_sinks_moved<K: Basic>(self, buffer: Tensor<4, K>, moved: SinksMove) -> Tensor<4, K>
     where
-        Tensor<4, K>: Owned,
+        Tensor<4, K>: BlockTensor,
     {
         let sinks = Held {
             evicted: moved.from,
             len: moved.count,
         };
-        let sinks = self.positions(&buffer, sinks).owned();
+        // Of its own, so that the buffer is held once when the sinks are written into it.
+        let sinks = self.positions(&buffer, sinks).materialized();
         self.written_at(buffer, moved.to, sinks)
     }
 }

@@ -25,7 +25,7 @@ mod store;
 
 pub(crate) use cpu::{native_cached_attention, native_kernel_runs};
 pub(crate) use step::{IN_PLACE_ROWS, StepHeads};
-pub(crate) use store::StoredBlocks;
+pub(crate) use store::{BlockTensor, StoredBlocks};
 
 pub use cache::{PagedCacheError, PagedKvCache, PagedKvCacheConfig, PromptMatch, SequenceId};
 pub use prefix::Token;

@@ -278,10 +278,12 @@ fn laid_out<T: BlockTensor>(rows: T, layout: BlockLayout) -> T {
 /// What [`BlockStore`] does to its float and int tensors alike. The pool is taken by value
 /// and given back: assigning into a tensor held once writes in place (flex), where a clone
 /// still alive would make the backend copy the whole pool.
-trait BlockTensor: Clone + Sized {
+pub(crate) trait BlockTensor: Clone + Sized {
     fn dims(&self) -> [usize; 4];
     fn device(&self) -> Device;
     fn block(&self, block: usize) -> Self;
+    /// A copy in memory of its own (the same values to the bit), so that assigning it into
+    /// the tensor it was read from finds that tensor held once.
     fn materialized(self) -> Self;
     /// `part` assigned into block `block` from offsets `[axis 2, axis 3]`.
     fn with_block(self, block: usize, offsets: [usize; 2], part: Self) -> Self;
@@ -348,7 +350,8 @@ macro_rules! block_tensor {
     };
 }
 
-block_tensor!(Tensor<4>, |tensor: Tensor<4>| tensor.add_scalar(0.0));
+// `x · 1` is `x` to the bit, -0 and NaN included (`x + 0` turns -0 into +0).
+block_tensor!(Tensor<4>, |tensor: Tensor<4>| tensor.mul_scalar(1.0));
 block_tensor!(Tensor<4, Int>, |tensor: Tensor<4, Int>| tensor.add_scalar(0));
 
 /// `pool` with `rows` (`[1, heads, n, dim]` laid out as `layout`) written at positions
