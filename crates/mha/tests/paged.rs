@@ -249,8 +249,9 @@ fn every_sequence_of_a_ragged_step_equals_decoding_it_alone() {
     }
 }
 
-/// Heads 32 and 64 wide, blocks of 16: the shapes the CPU kernel's AVX-512 path takes (whole
-/// 16-position parts, values a multiple of 16 wide), beside a last partial block per sequence.
+/// Heads 32 and 64 wide, blocks of 16 and 64: the shapes the CPU kernel's AVX-512 path takes
+/// (whole 16-position parts, and blocks of 64 as one part of 64; values a multiple of 16 wide),
+/// beside a last partial block per sequence.
 #[test]
 fn wide_heads_and_whole_blocks_equal_decoding_alone_in_every_storage() {
     let device = Device::flex();
@@ -265,17 +266,19 @@ fn wide_heads_and_whole_blocks_equal_decoding_alone_in_every_storage() {
         ("mha, head_dim 64", MultiHeadAttentionConfig::new(128, 2)),
     ] {
         let module = config.init(&device);
-        for storage in [CacheStorage::Float, CacheStorage::Half, CacheStorage::Int8] {
-            let paged = PagedKvCacheConfig::new(32)
-                .with_block_size(16)
-                .with_storage(storage);
-            let label = format!("{label} {storage:?}");
-            let mut harness = Harness::new(&module, &device, paged, label, 1e-5);
-            let (a, b) = (harness.add(), harness.add());
-            // 40 and 16 positions: two whole blocks and a partial one, one whole block.
-            harness.step(&[(a, 40), (b, 16)]);
-            for _ in 0..3 {
-                harness.step(&[(a, 1), (b, 1)]);
+        // Two whole blocks and a partial one, one whole block.
+        for (block_size, lengths) in [(16, [40, 16]), (64, [140, 64])] {
+            for storage in [CacheStorage::Float, CacheStorage::Half, CacheStorage::Int8] {
+                let paged = PagedKvCacheConfig::new(32)
+                    .with_block_size(block_size)
+                    .with_storage(storage);
+                let label = format!("{label} blocks of {block_size} {storage:?}");
+                let mut harness = Harness::new(&module, &device, paged, label, 1e-5);
+                let (a, b) = (harness.add(), harness.add());
+                harness.step(&[(a, lengths[0]), (b, lengths[1])]);
+                for _ in 0..3 {
+                    harness.step(&[(a, 1), (b, 1)]);
+                }
             }
         }
     }

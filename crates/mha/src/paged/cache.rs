@@ -55,7 +55,10 @@ pub struct PagedKvCacheConfig {
     /// that would need more is refused with [`PagedCacheError::PoolFull`].
     pub max_blocks: usize,
     /// Positions per block. Default: 16 (vLLM's). A sequence wastes at most `block_size - 1`
-    /// positions of its last block.
+    /// positions of its last block, and prompts share whole blocks only. On CPUs with AVX-512
+    /// blocks of 64 decode faster: the kernel reads a block of 64 as one part of 64 positions
+    /// (one softmax update, each query feature's broadcast over four vectors of keys), where
+    /// it reads blocks of 16 one at a time (see `docs/benchmarks.md`).
     pub block_size: usize,
     /// How keys and values are stored. Default: [`CacheStorage::Float`].
     pub storage: CacheStorage,

@@ -20,6 +20,10 @@ use super::{LANES, NATIVE_FMA, VALUE_COLUMNS, exp, flushed_exp, lane_sum, mul_ad
 /// [`VALUE_COLUMNS`] weighted sums (16 of AVX-512's 32 registers).
 const HEADS: usize = 4;
 
+/// Positions in a wide part of a tile: four vectors, which the AVX-512 path takes as one
+/// (`avx512::attend_part`); the lane loops take parts of [`LANES`].
+const WIDE_LANES: usize = 4 * LANES;
+
 /// An element a tile stores its keys and values in: f32, f16, or i8 with a scale per position
 /// ([`TileScales`]).
 pub(crate) trait TileElement: Copy {
@@ -398,7 +402,24 @@ fn attend_parts<const FMA: bool, E: TileElement>(
     rule: &LogitRule,
     (dim, value_dim): (usize, usize),
 ) {
-    for part in parts(tile.count, row.maxima.len(), dim, value_dim) {
+    let heads = row.maxima.len();
+    // Whether the AVX-512 path takes the tile's parts of 64 positions: the rule, the element
+    // and the widths decide, the same for every part.
+    #[cfg(target_arch = "x86_64")]
+    let wide = avx512::takes::<E>(
+        rule,
+        TilePart {
+            first: 0,
+            lanes: WIDE_LANES,
+            head: 0,
+            heads: HEADS.min(heads),
+            dim,
+            value_dim,
+        },
+    );
+    #[cfg(not(target_arch = "x86_64"))]
+    let wide = false;
+    for part in parts(tile.count, heads, dim, value_dim, wide) {
         #[cfg(target_arch = "x86_64")]
         if avx512::takes::<E>(rule, part) {
             // SAFETY: the CPU has AVX-512F (`takes` checked it); the entry points checked that
@@ -415,19 +436,34 @@ fn attend_parts<const FMA: bool, E: TileElement>(
     }
 }
 
-/// A tile's parts: [`LANES`] positions (fewer at the end) by [`HEADS`] query heads (fewer at
-/// the end), positions outermost.
+/// A tile's parts: 64 positions where `wide` and the tile has them (AVX-512's wide parts),
+/// else [`LANES`] (fewer at the end), by [`HEADS`] query heads (fewer at the end), positions
+/// outermost.
 #[inline(always)]
 fn parts(
     count: usize,
     heads: usize,
     dim: usize,
     value_dim: usize,
+    wide: bool,
 ) -> impl Iterator<Item = TilePart> {
-    (0..count).step_by(LANES).flat_map(move |first| {
+    let wide_lanes = if wide { WIDE_LANES } else { LANES };
+    let mut next = 0;
+    let firsts = std::iter::from_fn(move || {
+        let first = next;
+        let left = count.saturating_sub(first);
+        let lanes = if left >= wide_lanes {
+            wide_lanes
+        } else {
+            LANES.min(left)
+        };
+        next += lanes;
+        (left > 0).then_some((first, lanes))
+    });
+    firsts.flat_map(move |(first, lanes)| {
         (0..heads).step_by(HEADS).map(move |head| TilePart {
             first,
-            lanes: LANES.min(count - first),
+            lanes,
             head,
             heads: HEADS.min(heads - head),
             dim,
@@ -436,11 +472,13 @@ fn parts(
     })
 }
 
-/// Up to [`LANES`] positions of a tile against up to [`HEADS`] query heads.
+/// Up to [`LANES`] positions of a tile (64 in AVX-512's wide parts) against up to [`HEADS`]
+/// query heads.
 #[derive(Debug, Clone, Copy)]
 struct TilePart {
     /// The tile's first position in the part.
     first: usize,
+    /// Positions in the part.
     lanes: usize,
     /// The row's first query head in the part.
     head: usize,

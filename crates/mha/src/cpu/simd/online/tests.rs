@@ -278,7 +278,17 @@ fn check(case: &Case) {
 fn matches_for_every_shape(element: Element) {
     for heads in [1, 2, 3, 4, 5, 6, 8] {
         for (dim, value_dim) in [(1, 8), (16, 16), (17, 40), (64, 64), (32, 80), (64, 100)] {
-            for tiles in [vec![16], vec![1], vec![7, 16, 3], vec![32, 17, 40]] {
+            // Parts of 16 positions, fewer, and 64 (AVX-512's wide parts: 150 is two, a
+            // whole vector and 6 positions).
+            let tile_lists = [
+                vec![16],
+                vec![1],
+                vec![7, 16, 3],
+                vec![32, 17, 40],
+                vec![64],
+                vec![150, 64],
+            ];
+            for tiles in tile_lists {
                 check(&Case {
                     heads,
                     dim,
