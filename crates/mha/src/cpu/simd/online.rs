@@ -250,6 +250,14 @@ impl<'a> Ahead<'a> {
 /// Bytes in a cache line.
 const CACHE_LINE: usize = 64;
 
+/// Whether vector `v` of a part's positions (16 each, from a part's first position, a whole
+/// number of lines into the tile's feature rows) starts a line of a feature's keys: every
+/// vector in f32, every other in f16, the first of four in i8. A part asks for the next tile's
+/// key lines at those vectors only, each line once.
+fn vector_starts_line<E>(v: usize) -> bool {
+    (v * LANES * std::mem::size_of::<E>()).is_multiple_of(CACHE_LINE)
+}
+
 /// A query row of the query heads of one key/value head, its online softmax under way.
 #[derive(Debug)]
 pub(crate) struct OnlineRow<'a> {

@@ -11,6 +11,7 @@ use std::arch::x86_64::*;
 
 use super::{
     HEADS, KeyTile, LANES, LogitRule, OnlineRow, TileElement, TilePart, TileScales, WIDE_LANES,
+    vector_starts_line,
 };
 
 /// Whether [`attend_part`] takes `part`: the CPU has AVX-512F, the logits are the scores, the
@@ -160,7 +161,8 @@ unsafe fn attend_heads<E: TileElement, const H: usize, const V: usize, const SPL
                     let row_keys = keys.add(feature * tile.key_stride);
                     let mut key = [_mm512_setzero_ps(); V];
                     for v in 0..V {
-                        if let Some(ahead) = &ahead {
+                        let starts_line = vector_starts_line::<E>(v);
+                        if let Some(ahead) = ahead.as_ref().filter(|_| starts_line) {
                             ahead.key_line(feature, part.first + v * LANES);
                         }
                         key[v] = load(row_keys.add(v * LANES), lanes_of(v));

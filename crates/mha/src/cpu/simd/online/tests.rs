@@ -434,16 +434,25 @@ fn attend_tile_refuses_queries_that_are_not_whole_heads() {
 }
 
 /// The lines (64-byte pieces from the tile's start) [`Ahead`] asks for when the parts of a tile
-/// of `count` positions go through it as `attend_part` does: a key line per feature per part of
-/// 16 positions, the value lines of each position; each line as often as it is asked for.
-fn requests(ahead: &Ahead, dim: usize, value_dim: usize, count: usize) -> [Vec<usize>; 2] {
+/// of `count` positions go through it as the AVX-512 path does, `part` positions at a time (16,
+/// or 64 in its wide parts): the key lines of each feature at the part's vectors that start one,
+/// the value lines of each position; each line as often as it is asked for.
+fn requests<E>(
+    ahead: &Ahead,
+    dim: usize,
+    value_dim: usize,
+    count: usize,
+    part: usize,
+) -> [Vec<usize>; 2] {
     let mut keys = Vec::new();
     let mut values = Vec::new();
-    for first in (0..count).step_by(LANES) {
+    for first in (0..count).step_by(part) {
         for feature in 0..dim {
-            keys.extend(ahead.key_offset(feature, first));
+            for v in (0..part / LANES).filter(|&v| vector_starts_line::<E>(v)) {
+                keys.extend(ahead.key_offset(feature, first + v * LANES));
+            }
         }
-        for position in first..(first + LANES).min(count) {
+        for position in first..(first + part).min(count) {
             values.extend(ahead.value_lines(position, value_dim));
         }
     }
@@ -455,8 +464,13 @@ fn requests(ahead: &Ahead, dim: usize, value_dim: usize, count: usize) -> [Vec<u
 }
 
 /// [`requests`]' lines, each once.
-fn lines_asked_for(ahead: &Ahead, dim: usize, value_dim: usize, count: usize) -> [Vec<usize>; 2] {
-    requests(ahead, dim, value_dim, count).map(|mut lines| {
+fn lines_asked_for<E>(
+    ahead: &Ahead,
+    dim: usize,
+    value_dim: usize,
+    count: usize,
+) -> [Vec<usize>; 2] {
+    requests::<E>(ahead, dim, value_dim, count, LANES).map(|mut lines| {
         lines.dedup();
         lines
     })
@@ -489,7 +503,7 @@ fn every_line_of_a_block<E: TileElement>(zero: E) {
     let keys = vec![zero; dim * block_size];
     let values = vec![zero; block_size * value_dim];
     let ahead = block_ahead(&keys, &values, [block_size, value_dim], block_size);
-    let lines = lines_asked_for(&ahead, dim, value_dim, block_size);
+    let lines = lines_asked_for::<E>(&ahead, dim, value_dim, block_size);
     let whole = |elements: usize| (0..elements * element / CACHE_LINE).collect::<Vec<_>>();
     assert_eq!(lines, [whole(keys.len()), whole(values.len())]);
 }
@@ -501,23 +515,27 @@ fn ahead_asks_for_every_line_of_a_block_and_nothing_else() {
     every_line_of_a_block(0i8);
 }
 
-/// A block of 16 positions (the paged cache's default) of `E`: each line of its keys is asked
-/// for once, though an f16 or int8 line holds two or four features' keys.
-fn each_key_line_once<E: TileElement>(zero: E) {
-    let (dim, block_size, value_dim) = (8, 16, 16);
+/// A block of `block_size` positions of `E` read in parts of `part`: each line of its keys is
+/// asked for once, though an f16 or int8 line holds two or four features' keys (a block of 16,
+/// the paged cache's default) or two or four vectors of a feature's (a block of 64 in one wide
+/// part, as a compressed `KvCache`'s tiles).
+fn each_key_line_once<E: TileElement>(zero: E, block_size: usize, part: usize) {
+    let (dim, value_dim) = (8, 16);
     let keys = vec![zero; dim * block_size];
     let values = vec![zero; block_size * value_dim];
     let ahead = block_ahead(&keys, &values, [block_size, value_dim], block_size);
-    let [key_requests, _] = requests(&ahead, dim, value_dim, block_size);
+    let [key_requests, _] = requests::<E>(&ahead, dim, value_dim, block_size, part);
     let lines = (std::mem::size_of_val(keys.as_slice()) / CACHE_LINE).max(1);
     assert_eq!(key_requests, (0..lines).collect::<Vec<_>>());
 }
 
 #[test]
 fn ahead_asks_for_each_key_line_of_a_block_once() {
-    each_key_line_once(0.0f32);
-    each_key_line_once(f16::from_f32(0.0));
-    each_key_line_once(0i8);
+    for (block_size, part) in [(16, LANES), (64, WIDE_LANES)] {
+        each_key_line_once(0.0f32, block_size, part);
+        each_key_line_once(f16::from_f32(0.0), block_size, part);
+        each_key_line_once(0i8, block_size, part);
+    }
 }
 
 #[test]
@@ -534,7 +552,7 @@ fn ahead_asks_for_no_line_of_a_position_past_the_tile() {
         "position 5 is not the tile's"
     );
     assert_eq!(ahead.value_lines(count, value_dim).count(), 0);
-    let lines = lines_asked_for(&ahead, dim, value_dim, block_size);
+    let lines = lines_asked_for::<f32>(&ahead, dim, value_dim, block_size);
     assert_eq!(lines, [vec![0, 2, 4, 6], vec![0, 1, 2, 3, 4]]);
 }
 
