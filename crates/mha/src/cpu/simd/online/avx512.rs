@@ -81,8 +81,8 @@ const WIDE: usize = WIDE_LANES / LANES;
 /// vectors of keys, four heads' sixteen sums need no splits to keep the FMA units busy, and
 /// the part's softmax (reductions to a maximum and a sum, the outputs' rescale, load and
 /// store) is paid once for 64 positions, not four times. An f16 or int8 pool of blocks of 64
-/// at 32 sequences of 128-4096 positions took 1.45-1.55 ms a step on one thread where parts of
-/// 16 took 1.75-1.93 (`decoding` bench, AMD Zen 5).
+/// at 32 sequences of 128-4096 positions took 1.46-1.68 ms a step on one thread where parts of
+/// 16 took 1.83-1.90 (`decoding` bench, AMD Zen 5; docs/performance-notes.md).
 ///
 /// # Safety
 ///
