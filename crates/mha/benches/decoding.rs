@@ -201,10 +201,11 @@ fn main() {
     let (one_thread, all_threads) = (read_bandwidth(1), read_bandwidth(threads));
     let head_dim = D_MODEL / HEADS;
     println!(
-        "flex, d_model {D_MODEL}, {HEADS} query / {kv_heads} key-value heads, f32; read \
-         bandwidth {:.1} GB/s on one thread, {:.1} GB/s on {threads} (sum of a 256 MiB buffer, \
-         best of 5): the first is the one-sequence table's bound, the second the many-sequence \
-         table's",
+        "flex, d_model {D_MODEL}, {HEADS} query / {kv_heads} key-value heads, f32, the CPU \
+         kernels' {} copies (`MHA_CPU_CAPABILITY` caps them); read bandwidth {:.1} GB/s on one \
+         thread, {:.1} GB/s on {threads} (sum of a 256 MiB buffer, best of 5): the first is the \
+         one-sequence table's bound, the second the many-sequence table's",
+        mha::cpu_capability().name(),
         one_thread / 1e9,
         all_threads / 1e9
     );

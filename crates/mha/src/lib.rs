@@ -53,7 +53,8 @@
 //! - Layers: [`transformer`] (encoder and decoder layers and stacks with burn-nn's names).
 //! - Interop: [`burn_nn`] (`From` burn-nn's modules), `pytorch` (state dicts, feature
 //!   `pytorch`).
-//! - Which kernel runs: [`AttentionPath::Auto`]; [`flash_attention_supported`].
+//! - Which kernel runs: [`AttentionPath::Auto`]; [`flash_attention_supported`]; on the CPU,
+//!   which instruction set's copy of it: [`cpu_capability`] (`MHA_CPU_CAPABILITY` caps it).
 //!
 //! # Features
 //!
@@ -115,6 +116,9 @@ pub use rotary::{RopeConfig, RopeLayout, RopeScaling};
 
 #[cfg(feature = "pytorch")]
 pub mod pytorch;
+
+#[cfg(any(feature = "flex", feature = "ndarray"))]
+pub use cpu::{CPU_CAPABILITY_VARIABLE, CpuCapability, cpu_capability};
 
 #[cfg(any(feature = "flex", feature = "ndarray"))]
 pub mod buffer_pool {

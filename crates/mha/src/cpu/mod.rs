@@ -6,6 +6,7 @@
 //!   tensors without a copy;
 //! - `matrix.rs`: strided matrices, the `gemm` wrapper and the task runner (the unsafe code);
 //! - `simd.rs`: row kernels compiled for AVX-512 and AVX2 + FMA, picked at run time;
+//! - `capability.rs`: which of those copies run (`MHA_CPU_CAPABILITY` caps it);
 //! - `buffers.rs`: the bounded pool of output buffers (`mha::buffer_pool`);
 //! - `linear.rs`: `x · W + b` as one op with its own backward;
 //! - `rotary.rs`: RoPE's rotation as one op, its backward the inverse rotation;
@@ -16,6 +17,8 @@
 
 #[cfg(any(feature = "flex", feature = "ndarray"))]
 pub(crate) mod buffers;
+#[cfg(any(feature = "flex", feature = "ndarray"))]
+pub(crate) mod capability;
 #[cfg(any(feature = "flex", feature = "ndarray"))]
 pub(crate) mod gelu;
 #[cfg(any(feature = "flex", feature = "ndarray"))]
@@ -29,6 +32,8 @@ pub(crate) mod simd;
 #[cfg(any(feature = "flex", feature = "ndarray"))]
 pub(crate) mod storage;
 
+#[cfg(any(feature = "flex", feature = "ndarray"))]
+pub use capability::{CPU_CAPABILITY_VARIABLE, CpuCapability, cpu_capability};
 #[cfg(any(feature = "flex", feature = "ndarray"))]
 pub(crate) use gelu::{GeluKind, native_gelu};
 #[cfg(any(feature = "flex", feature = "ndarray"))]

@@ -1,11 +1,12 @@
 //! Row kernels of the flex flash kernel — maximum, shifted exponential with its sum, dot
 //! product, scaled copy, softmax gradient — written as fixed-width lane loops that the compiler vectorises,
-//! compiled for AVX-512 and AVX2 + FMA and chosen at run time (as flex's GEMM is).
+//! compiled for AVX-512 and AVX2 + FMA and chosen at run time (as flex's GEMM is), by
+//! [`cpu_capability`](super::cpu_capability) (which `MHA_CPU_CAPABILITY` can cap).
 
 const LANES: usize = 16;
 
-/// Runs `$body` (an expression over the function's arguments) in a copy compiled for the best
-/// instruction set this CPU has. In the body, `FMA` says whether that copy has fused
+/// Runs `$body` (an expression over the function's arguments) in the copy compiled for the
+/// instruction set [`cpu_capability`](super::cpu_capability) says. In the body, `FMA` says whether that copy has fused
 /// multiply-adds ([`mul_add`]).
 macro_rules! dispatch {
     (fn $name:ident($($arg:ident: $ty:ty),*) -> $ret:ty $body:block) => {
@@ -23,16 +24,12 @@ macro_rules! dispatch {
                 fn avx2($($arg: $ty),*) -> $ret {
                     portable::<true>($($arg),*)
                 }
-                if std::arch::is_x86_feature_detected!("avx512f") {
-                    // SAFETY: the CPU has the features the function is compiled for.
-                    return unsafe { avx512($($arg),*) };
-                }
-                if std::arch::is_x86_feature_detected!("avx2")
-                    && std::arch::is_x86_feature_detected!("fma")
-                    && std::arch::is_x86_feature_detected!("f16c")
-                {
-                    // SAFETY: as above.
-                    return unsafe { avx2($($arg),*) };
+                match $crate::cpu::cpu_capability() {
+                    // SAFETY: `cpu_capability` says AVX-512 only where the CPU has AVX-512F.
+                    $crate::cpu::CpuCapability::Avx512 => return unsafe { avx512($($arg),*) },
+                    // SAFETY: and AVX2 only where it has AVX2, FMA and F16C.
+                    $crate::cpu::CpuCapability::Avx2 => return unsafe { avx2($($arg),*) },
+                    $crate::cpu::CpuCapability::Default => {}
                 }
             }
             portable::<NATIVE_FMA>($($arg),*)
@@ -84,8 +81,8 @@ pub(crate) const FLUSH_BELOW: f32 = -34.65;
 /// one, so the backward's recomputed probabilities are the forward's to the last bit.
 pub(crate) fn exp_shifted(values: &mut [f32], shift: f32) -> f32 {
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx512f") {
-        // SAFETY: the CPU has the feature the function is compiled for.
+    if super::cpu_capability() == super::CpuCapability::Avx512 {
+        // SAFETY: `cpu_capability` says AVX-512 only where the CPU has AVX-512F.
         return unsafe { avx512::exp_shifted(values, shift) };
     }
     exp_shifted_lanes(values, shift)

@@ -57,8 +57,8 @@ impl TileElement for burn::tensor::f16 {
     #[inline(always)]
     fn floats<const N: usize>(values: &[Self; N]) -> [f32; N] {
         #[cfg(target_arch = "x86_64")]
-        if N.is_multiple_of(8) && std::arch::is_x86_feature_detected!("f16c") {
-            // SAFETY: the CPU has F16C.
+        if N.is_multiple_of(8) && crate::cpu::cpu_capability() >= crate::cpu::CpuCapability::Avx2 {
+            // SAFETY: `cpu_capability` says AVX2 or more only where the CPU has F16C.
             return unsafe { f16c_floats(values) };
         }
         values.map(Self::float)

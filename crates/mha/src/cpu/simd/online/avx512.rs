@@ -14,7 +14,7 @@ use super::{
     vector_starts_line,
 };
 
-/// Whether [`attend_part`] takes `part`: the CPU has AVX-512F, the logits are the scores, the
+/// Whether [`attend_part`] takes `part`: the kernels run AVX-512 (`cpu_capability`), the logits are the scores, the
 /// values are whole vectors, the part is at most a vector of positions or a wide one, and an
 /// int8 or f16 part is whole vectors (its loads are not masked).
 pub(super) fn takes<E: TileElement>(rule: &LogitRule, part: TilePart) -> bool {
@@ -23,7 +23,7 @@ pub(super) fn takes<E: TileElement>(rule: &LogitRule, part: TilePart) -> bool {
         && part.value_dim.is_multiple_of(LANES)
         && (part.lanes <= LANES || part.lanes == WIDE_LANES)
         && (!(E::INT8 || E::HALF) || part.lanes.is_multiple_of(LANES))
-        && std::arch::is_x86_feature_detected!("avx512f")
+        && crate::cpu::cpu_capability() == crate::cpu::CpuCapability::Avx512
 }
 
 /// Sixteen elements from `elements` as floats: the `lanes` of f32 (the others 0), or all
