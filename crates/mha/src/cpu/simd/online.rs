@@ -400,8 +400,8 @@ dispatch! {
     }
 }
 
-/// The body of both entry points once checked: each part through the AVX-512 path where it
-/// takes it, else the lane loops.
+/// The body of the entry points once checked: each part through the AVX-512 path where it
+/// takes it, else the AVX2 path where it takes it, else the lane loops.
 #[inline(always)]
 fn attend_parts<const FMA: bool, E: TileElement>(
     row: &mut OnlineRow,
@@ -434,6 +434,13 @@ fn attend_parts<const FMA: bool, E: TileElement>(
             // the tile holds its keys and values, `scales` (if any) a scale of each kind per
             // position, and the row whole heads.
             unsafe { avx512::attend_part(row, tile, scales, part) };
+            continue;
+        }
+        #[cfg(target_arch = "x86_64")]
+        if avx2::takes(rule, part) {
+            // SAFETY: the CPU has AVX2, FMA and F16C, the part is 16 positions and its values
+            // whole vectors (`takes` checked them); the rest as above.
+            unsafe { avx2::attend_part(row, tile, scales, part) };
             continue;
         }
         match part.heads {
@@ -706,6 +713,8 @@ fn weighted_values<const FMA: bool, E: TileElement, const H: usize>(
     }
 }
 
+#[cfg(target_arch = "x86_64")]
+mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
 
