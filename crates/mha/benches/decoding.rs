@@ -14,7 +14,8 @@
 //! --bench decoding` (options: `--positions 512,4096,16384`, `--steps 64`, `--concurrent
 //! 1,8,32`, `--rounds 16`, `--block-size 16`, `--ways paged,padded,single`, `--storage
 //! float,half,int8`, `--layers 1`, `--kv-heads 2`, `--window W` (none by default), `--sinks S`
-//! (0; with `--window`, a streaming window); an empty list skips its table).
+//! (0; with `--window`, a streaming window), `--alibi` (off), `--softcap C` (none); an empty
+//! list skips its table).
 
 use std::time::Instant;
 
@@ -109,6 +110,10 @@ struct Options {
     window: Option<usize>,
     /// With `window`, the first positions kept too (a streaming window's sinks).
     sinks: usize,
+    /// Every layer with ALiBi.
+    alibi: bool,
+    /// Every layer's logit soft cap.
+    softcap: Option<f64>,
 }
 
 impl Options {
@@ -129,6 +134,8 @@ impl Options {
             kv_heads: 2,
             window: None,
             sinks: 0,
+            alibi: false,
+            softcap: None,
         };
         let list = |text: String, name: &str| -> Vec<usize> {
             text.split(',')
@@ -161,6 +168,10 @@ impl Options {
                     options.window = Some(window);
                 }
                 "--sinks" => options.sinks = value().parse().expect("--sinks: a number"),
+                "--alibi" => options.alibi = true,
+                "--softcap" => {
+                    options.softcap = Some(value().parse().expect("--softcap: a number"))
+                }
                 "--block-size" => {
                     options.block_size = value().parse().expect("--block-size: a number")
                 }
@@ -190,9 +201,11 @@ fn main() {
     let device = Device::flex();
     device.seed(0);
     let kv_heads = options.kv_heads;
-    let module = MultiHeadAttentionConfig::new(D_MODEL, HEADS)
+    let config = MultiHeadAttentionConfig::new(D_MODEL, HEADS)
         .with_n_kv_heads(Some(kv_heads))
-        .init(&device);
+        .with_alibi(options.alibi)
+        .with_softcap(options.softcap);
+    let module = config.init(&device);
     // A short batch-1 decoding step runs on one thread; a step over many sequences on all of
     // rayon's (a task per sequence, or per part of a long one's positions, a thread per core
     // unless RAYON_NUM_THREADS says otherwise), whose bound is the bandwidth of all cores
@@ -201,10 +214,14 @@ fn main() {
     let (one_thread, all_threads) = (read_bandwidth(1), read_bandwidth(threads));
     let head_dim = D_MODEL / HEADS;
     println!(
-        "flex, d_model {D_MODEL}, {HEADS} query / {kv_heads} key-value heads, f32, the CPU \
+        "flex, d_model {D_MODEL}, {HEADS} query / {kv_heads} key-value heads{}{}, f32, the CPU \
          kernels' {} copies (`MHA_CPU_CAPABILITY` caps them); read bandwidth {:.1} GB/s on one \
          thread, {:.1} GB/s on {threads} (sum of a 256 MiB buffer, best of 5): the first is the \
          one-sequence table's bound, the second the many-sequence table's",
+        if options.alibi { ", ALiBi" } else { "" },
+        options
+            .softcap
+            .map_or(String::new(), |cap| format!(", soft cap {cap}")),
         mha::cpu_capability().name(),
         one_thread / 1e9,
         all_threads / 1e9
@@ -237,11 +254,7 @@ fn main() {
         };
         // The first layer is the one-sequence table's; the others alike, with their own weights.
         let mut layers = vec![module];
-        layers.extend((1..options.layers).map(|_| {
-            MultiHeadAttentionConfig::new(D_MODEL, HEADS)
-                .with_n_kv_heads(Some(kv_heads))
-                .init(&device)
-        }));
+        layers.extend((1..options.layers).map(|_| config.init(&device)));
         concurrent::table(&layers, &sizes, &runs, all_threads, &device);
     }
 }

@@ -249,9 +249,9 @@ fn every_sequence_of_a_ragged_step_equals_decoding_it_alone() {
     }
 }
 
-/// Heads 32 and 64 wide, blocks of 16 and 64: the shapes the CPU kernel's AVX-512 path takes
-/// (whole 16-position parts, and blocks of 64 as one part of 64; values a multiple of 16 wide),
-/// beside a last partial block per sequence.
+/// Heads 32 and 64 wide, blocks of 16 and 64: the shapes the CPU kernel's AVX-512 and AVX2
+/// paths take (whole 16-position parts, and blocks of 64 as one part of 64; values a multiple
+/// of 16 wide), beside a last partial block per sequence, with and without ALiBi and a soft cap.
 #[test]
 fn wide_heads_and_whole_blocks_equal_decoding_alone_in_every_storage() {
     let device = Device::flex();
@@ -264,6 +264,12 @@ fn wide_heads_and_whole_blocks_equal_decoding_alone_in_every_storage() {
                 .with_rope(Some(RopeConfig::new())),
         ),
         ("mha, head_dim 64", MultiHeadAttentionConfig::new(128, 2)),
+        (
+            "mha+alibi+softcap, head_dim 64",
+            MultiHeadAttentionConfig::new(128, 2)
+                .with_alibi(true)
+                .with_softcap(Some(1.5)),
+        ),
     ] {
         let module = config.init(&device);
         // Two whole blocks and a partial one, one whole block.

@@ -411,36 +411,33 @@ fn attend_parts<const FMA: bool, E: TileElement>(
     (dim, value_dim): (usize, usize),
 ) {
     let heads = row.maxima.len();
-    // Whether the AVX-512 path takes the tile's parts of 64 positions: the rule, the element
-    // and the widths decide, the same for every part.
+    // Whether the AVX-512 path takes the tile's parts of 64 positions: the element and the
+    // widths decide, the same for every part.
     #[cfg(target_arch = "x86_64")]
-    let wide = avx512::takes::<E>(
-        rule,
-        TilePart {
-            first: 0,
-            lanes: WIDE_LANES,
-            head: 0,
-            heads: HEADS.min(heads),
-            dim,
-            value_dim,
-        },
-    );
+    let wide = avx512::takes::<E>(TilePart {
+        first: 0,
+        lanes: WIDE_LANES,
+        head: 0,
+        heads: HEADS.min(heads),
+        dim,
+        value_dim,
+    });
     #[cfg(not(target_arch = "x86_64"))]
     let wide = false;
     for part in parts(tile.count, heads, dim, value_dim, wide) {
         #[cfg(target_arch = "x86_64")]
-        if avx512::takes::<E>(rule, part) {
+        if avx512::takes::<E>(part) {
             // SAFETY: the CPU has AVX-512F (`takes` checked it); the entry points checked that
             // the tile holds its keys and values, `scales` (if any) a scale of each kind per
             // position, and the row whole heads.
-            unsafe { avx512::attend_part(row, tile, scales, part) };
+            unsafe { avx512::attend_part(row, tile, scales, rule, part) };
             continue;
         }
         #[cfg(target_arch = "x86_64")]
-        if avx2::takes(rule, part) {
+        if avx2::takes(part) {
             // SAFETY: the CPU has AVX2, FMA and F16C, the part is 16 positions and its values
             // whole vectors (`takes` checked them); the rest as above.
-            unsafe { avx2::attend_part(row, tile, scales, part) };
+            unsafe { avx2::attend_part(row, tile, scales, rule, part) };
             continue;
         }
         match part.heads {
@@ -530,20 +527,10 @@ fn attend_part<const FMA: bool, E: TileElement, const H: usize>(
             }
         }
     }
-    if let Some(cap) = rule.softcap {
-        for logits in &mut logits {
-            for logit in logits.iter_mut() {
-                *logit = cap * tanh::<FMA>(*logit / cap);
-            }
-        }
-    }
-    if let Some(slopes) = rule.alibi {
-        let first = rule.first_distance as f32 - part.first as f32;
+    if rule.softcap.is_some() || rule.alibi.is_some() {
         for (h, logits) in logits.iter_mut().enumerate() {
-            let slope = slopes[part.head + h.min(part.heads - 1)];
-            for (lane, logit) in logits.iter_mut().enumerate() {
-                *logit -= slope * (first - lane as f32).abs();
-            }
+            let head = part.head + h.min(part.heads - 1);
+            apply_rule::<FMA>(logits, rule, head, part.first);
         }
     }
     let mut corrections = [1.0f32; H];
@@ -581,6 +568,31 @@ fn attend_part<const FMA: bool, E: TileElement, const H: usize>(
         }
     }
     weighted_values::<FMA, E, H>(row.outputs, tile, part, &logits, &corrections);
+}
+
+/// `rule` applied to the scores of query head `head` at the tile's positions `first..first +
+/// 16`: the soft cap, then ALiBi's penalty for each position's distance before the query. The
+/// lane loops and the register paths share it (on their lanes in memory), so that every path
+/// computes the same logits.
+#[inline(always)]
+fn apply_rule<const FMA: bool>(
+    logits: &mut [f32; LANES],
+    rule: &LogitRule,
+    head: usize,
+    first: usize,
+) {
+    if let Some(cap) = rule.softcap {
+        for logit in logits.iter_mut() {
+            *logit = cap * tanh::<FMA>(*logit / cap);
+        }
+    }
+    if let Some(slopes) = rule.alibi {
+        let first = rule.first_distance as f32 - first as f32;
+        let slope = slopes[head];
+        for (lane, logit) in logits.iter_mut().enumerate() {
+            *logit -= slope * (first - lane as f32).abs();
+        }
+    }
 }
 
 /// Query heads `part.head..` (the last repeated up to `H`), each `part.dim` wide.

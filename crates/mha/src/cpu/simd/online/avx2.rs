@@ -1,7 +1,8 @@
-//! [`super::attend_part`] on AVX2 registers, for whole parts of 16 feature-major keys without
-//! soft cap or ALiBi and values a whole number of 8-lane vectors wide: the scores and the
-//! weighted values in registers, the softmax between them the lane loops' own. The rest of a
-//! tile (the last positions of a sequence, soft caps, ALiBi) goes through the lane loops.
+//! [`super::attend_part`] on AVX2 registers, for whole parts of 16 feature-major keys and
+//! values a whole number of 8-lane vectors wide: the scores and the weighted values in
+//! registers, the soft cap, ALiBi and the softmax between them the lane loops' own code on the
+//! part's lanes. The rest of a tile (the last positions of a sequence) goes through the lane
+//! loops.
 //!
 //! Why: compiled for AVX2 from the lane loops, the part's sums went through the stack (a store
 //! and a load around most multiply-adds); the paged step at 32 sequences of 128-4096 positions
@@ -14,8 +15,8 @@
 use std::arch::x86_64::*;
 
 use super::{
-    HEADS, KeyTile, LANES, LogitRule, OnlineRow, TileElement, TilePart, TileScales, exp,
-    flushed_exp, lane_max, lane_sum,
+    HEADS, KeyTile, LANES, LogitRule, OnlineRow, TileElement, TilePart, TileScales, apply_rule,
+    exp, flushed_exp, lane_max, lane_sum,
 };
 use crate::cpu::{CpuCapability, cpu_capability};
 
@@ -26,11 +27,9 @@ const VECTOR: usize = 8;
 const PART: usize = LANES / VECTOR;
 
 /// Whether [`attend_part`] takes `part`: the kernels run AVX2 or more (`cpu_capability`), the
-/// logits are the scores, the part is a whole 16 positions and the values whole vectors.
-pub(super) fn takes(rule: &LogitRule, part: TilePart) -> bool {
-    rule.softcap.is_none()
-        && rule.alibi.is_none()
-        && part.lanes == LANES
+/// part is a whole 16 positions and the values whole vectors.
+pub(super) fn takes(part: TilePart) -> bool {
+    part.lanes == LANES
         && part.value_dim.is_multiple_of(VECTOR)
         && cpu_capability() >= CpuCapability::Avx2
 }
@@ -84,15 +83,16 @@ pub(super) unsafe fn attend_part<E: TileElement>(
     row: &mut OnlineRow,
     tile: &KeyTile<E>,
     scales: Option<&TileScales>,
+    rule: &LogitRule,
     part: TilePart,
 ) {
     debug_assert!(part.lanes == LANES && part.value_dim.is_multiple_of(VECTOR));
     // SAFETY: the caller's; each instance computes at least `part.heads` heads.
     unsafe {
         match part.heads {
-            1 => attend_heads::<E, 1, 4, 8>(row, tile, scales, part),
-            2 => attend_heads::<E, 2, 2, 4>(row, tile, scales, part),
-            _ => attend_heads::<E, HEADS, 1, 2>(row, tile, scales, part),
+            1 => attend_heads::<E, 1, 4, 8>(row, tile, scales, rule, part),
+            2 => attend_heads::<E, 2, 2, 4>(row, tile, scales, rule, part),
+            _ => attend_heads::<E, HEADS, 1, 2>(row, tile, scales, rule, part),
         }
     }
 }
@@ -114,6 +114,7 @@ unsafe fn attend_heads<E: TileElement, const H: usize, const SPLITS: usize, cons
     row: &mut OnlineRow,
     tile: &KeyTile<E>,
     scales: Option<&TileScales>,
+    rule: &LogitRule,
     part: TilePart,
 ) {
     let dim = part.dim;
@@ -166,7 +167,7 @@ unsafe fn attend_heads<E: TileElement, const H: usize, const SPLITS: usize, cons
             }
         }
     }
-    // The softmax as the lane loops compute it, on the scores' lanes.
+    // The rule and the softmax as the lane loops compute them, on the scores' lanes.
     let mut weights = [[0.0f32; LANES]; H];
     let mut corrections = [1.0f32; H];
     for h in 0..H {
@@ -176,6 +177,7 @@ unsafe fn attend_heads<E: TileElement, const H: usize, const SPLITS: usize, cons
             // SAFETY: `logits[8 · v..]` holds 8 floats (`v < 2`).
             unsafe { _mm256_storeu_ps(logits[v * VECTOR..].as_mut_ptr(), scores[h][v]) };
         }
+        apply_rule::<true>(logits, rule, head, part.first);
         let max = row.maxima[head].max(lane_max(*logits));
         for logit in logits.iter_mut() {
             *logit = flushed_exp::<true>(*logit - max);

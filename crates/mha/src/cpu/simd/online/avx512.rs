@@ -1,7 +1,7 @@
-//! [`super::attend_part`] on AVX-512 registers, for feature-major keys without soft cap or
-//! ALiBi and values a whole number of 16-lane vectors wide (and, in int8 and f16, whole parts
-//! of 16 positions, converted to f32 as they are loaded): the rest of a tile goes through the
-//! lane loops.
+//! [`super::attend_part`] on AVX-512 registers, for feature-major keys and values a whole
+//! number of 16-lane vectors wide (and, in int8 and f16, whole parts of 16 positions, converted
+//! to f32 as they are loaded): the rest of a tile goes through the lane loops. A soft cap or
+//! ALiBi is applied to the scores as the lane loops apply it ([`super::apply_rule`]).
 //!
 //! Why: compiled from the lane loops, the paged step at 32 sequences of 128-4096 positions
 //! (`decoding` bench, AMD EPYC Zen 5, 2 cores) spent 2.5-3.0 ms in this kernel where these
@@ -11,16 +11,14 @@ use std::arch::x86_64::*;
 
 use super::{
     HEADS, KeyTile, LANES, LogitRule, OnlineRow, TileElement, TilePart, TileScales, WIDE_LANES,
-    vector_starts_line,
+    apply_rule, vector_starts_line,
 };
 
-/// Whether [`attend_part`] takes `part`: the kernels run AVX-512 (`cpu_capability`), the logits are the scores, the
+/// Whether [`attend_part`] takes `part`: the kernels run AVX-512 (`cpu_capability`), the
 /// values are whole vectors, the part is at most a vector of positions or a wide one, and an
 /// int8 or f16 part is whole vectors (its loads are not masked).
-pub(super) fn takes<E: TileElement>(rule: &LogitRule, part: TilePart) -> bool {
-    rule.softcap.is_none()
-        && rule.alibi.is_none()
-        && part.value_dim.is_multiple_of(LANES)
+pub(super) fn takes<E: TileElement>(part: TilePart) -> bool {
+    part.value_dim.is_multiple_of(LANES)
         && (part.lanes <= LANES || part.lanes == WIDE_LANES)
         && (!(E::INT8 || E::HALF) || part.lanes.is_multiple_of(LANES))
         && crate::cpu::cpu_capability() == crate::cpu::CpuCapability::Avx512
@@ -97,6 +95,7 @@ pub(super) unsafe fn attend_part<E: TileElement>(
     row: &mut OnlineRow,
     tile: &KeyTile<E>,
     scales: Option<&TileScales>,
+    rule: &LogitRule,
     part: TilePart,
 ) {
     debug_assert!(part.lanes <= LANES || part.lanes == WIDE_LANES);
@@ -104,12 +103,12 @@ pub(super) unsafe fn attend_part<E: TileElement>(
     // `WIDE_LANES` positions, which a part of more than 16 has.
     unsafe {
         match (part.heads, part.lanes > LANES) {
-            (1, false) => attend_heads::<E, 1, 1, 8>(row, tile, scales, part),
-            (2, false) => attend_heads::<E, 2, 1, 4>(row, tile, scales, part),
-            (_, false) => attend_heads::<E, HEADS, 1, 2>(row, tile, scales, part),
-            (1, true) => attend_heads::<E, 1, WIDE, 2>(row, tile, scales, part),
-            (2, true) => attend_heads::<E, 2, WIDE, 2>(row, tile, scales, part),
-            (_, true) => attend_heads::<E, HEADS, WIDE, 1>(row, tile, scales, part),
+            (1, false) => attend_heads::<E, 1, 1, 8>(row, tile, scales, rule, part),
+            (2, false) => attend_heads::<E, 2, 1, 4>(row, tile, scales, rule, part),
+            (_, false) => attend_heads::<E, HEADS, 1, 2>(row, tile, scales, rule, part),
+            (1, true) => attend_heads::<E, 1, WIDE, 2>(row, tile, scales, rule, part),
+            (2, true) => attend_heads::<E, 2, WIDE, 2>(row, tile, scales, rule, part),
+            (_, true) => attend_heads::<E, HEADS, WIDE, 1>(row, tile, scales, rule, part),
         }
     }
 }
@@ -132,6 +131,7 @@ unsafe fn attend_heads<E: TileElement, const H: usize, const V: usize, const SPL
     row: &mut OnlineRow,
     tile: &KeyTile<E>,
     scales: Option<&TileScales>,
+    rule: &LogitRule,
     part: TilePart,
 ) {
     let (dim, value_dim) = (part.dim, part.value_dim);
@@ -192,6 +192,20 @@ unsafe fn attend_heads<E: TileElement, const H: usize, const V: usize, const SPL
             let key_scales = scale_vector(scales.keys, scales.key_stride, part.first + v * LANES);
             for h in 0..H {
                 scores[h][v] = _mm512_mul_ps(scores[h][v], key_scales);
+            }
+        }
+    }
+    if rule.softcap.is_some() || rule.alibi.is_some() {
+        // The rule on each vector's lanes in memory (masked lanes become -∞ below whatever it
+        // makes of them).
+        for h in 0..H {
+            for v in 0..V {
+                let mut logits = [0.0f32; LANES];
+                // SAFETY: `logits` is 16 floats.
+                unsafe { _mm512_storeu_ps(logits.as_mut_ptr(), scores[h][v]) };
+                apply_rule::<true>(&mut logits, rule, head_of(h), part.first + v * LANES);
+                // SAFETY: as above.
+                scores[h][v] = unsafe { _mm512_loadu_ps(logits.as_ptr()) };
             }
         }
     }

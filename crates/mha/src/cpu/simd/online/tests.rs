@@ -318,20 +318,24 @@ fn attend_int8_tile_matches_a_softmax_over_the_dequantized_positions_for_every_s
     matches_for_every_shape(Element::I8);
 }
 
+/// The rules in every path: tiles of 16, fewer, and 64 (AVX-512's wide parts), values 64 wide
+/// (the AVX-512 path's) and 40 (the AVX2 path's on any AVX2 machine).
 #[test]
 fn attend_tile_applies_the_soft_cap_and_alibi_penalty() {
     for element in [Element::F32, Element::F16, Element::I8] {
         for (softcap, alibi) in [(Some(2.0), false), (None, true), (Some(5.0), true)] {
             for heads in [1, 4, 6] {
-                check(&Case {
-                    heads,
-                    dim: 24,
-                    value_dim: 64,
-                    tiles: vec![16, 5, 33],
-                    softcap,
-                    alibi,
-                    element,
-                });
+                for value_dim in [64, 40] {
+                    check(&Case {
+                        heads,
+                        dim: 24,
+                        value_dim,
+                        tiles: vec![16, 5, 33, 64, 150],
+                        softcap,
+                        alibi,
+                        element,
+                    });
+                }
             }
         }
     }
