@@ -54,7 +54,7 @@
 //! - Interop: [`burn_nn`] (`From` burn-nn's modules), `pytorch` (state dicts, feature
 //!   `pytorch`).
 //! - Which kernel runs: [`AttentionPath::Auto`]; [`flash_attention_supported`]; on the CPU,
-//!   which instruction set's copy of it: [`cpu_capability`] (`MHA_CPU_CAPABILITY` caps it).
+//!   which instruction set's copy of it: `cpu_capability` (`MHA_CPU_CAPABILITY` caps it).
 //!
 //! # Features
 //!

@@ -6,8 +6,8 @@
 const LANES: usize = 16;
 
 /// Runs `$body` (an expression over the function's arguments) in the copy compiled for the
-/// instruction set [`cpu_capability`](super::cpu_capability) says. In the body, `FMA` says whether that copy has fused
-/// multiply-adds ([`mul_add`]).
+/// instruction set [`cpu_capability`](super::cpu_capability) says. In the body, `FMA` says
+/// whether that copy has fused multiply-adds ([`mul_add`]).
 macro_rules! dispatch {
     (fn $name:ident($($arg:ident: $ty:ty),*) -> $ret:ty $body:block) => {
         pub(crate) fn $name($($arg: $ty),*) -> $ret {
