@@ -542,15 +542,7 @@ fn attend_part<const FMA: bool, E: TileElement, const H: usize>(
             }
         }
         let head = part.head + h.min(part.heads - 1);
-        let max = row.maxima[head].max(lane_max(*logits));
-        for logit in logits.iter_mut() {
-            *logit = flushed_exp::<FMA>(*logit - max);
-        }
-        // The first tile's correction is e^-∞ = 0, against sums that are still 0.
-        let correction = exp::<FMA>(row.maxima[head] - max);
-        if h < part.heads {
-            row.sums[head] = row.sums[head] * correction + lane_sum(*logits);
-            row.maxima[head] = max;
+        if let Some(correction) = softmax_step::<FMA>(logits, row, head, h < part.heads) {
             corrections[h] = correction;
         }
     }
@@ -568,6 +560,31 @@ fn attend_part<const FMA: bool, E: TileElement, const H: usize>(
         }
     }
     weighted_values::<FMA, E, H>(row.outputs, tile, part, &logits, &corrections);
+}
+
+/// Query head `head`'s online softmax over one part's logits (`-∞` in lanes past the part):
+/// the logits become `e^(logit - max)` (0 below `e^FLUSH_BELOW` of it), and where `counted` (a
+/// head of the part, not one repeated to fill the registers) the head's running maximum and sum
+/// move on and the correction of its outputs so far is returned. The lane loops and the AVX2
+/// path share it.
+#[inline(always)]
+fn softmax_step<const FMA: bool>(
+    logits: &mut [f32; LANES],
+    row: &mut OnlineRow,
+    head: usize,
+    counted: bool,
+) -> Option<f32> {
+    let max = row.maxima[head].max(lane_max(*logits));
+    for logit in logits.iter_mut() {
+        *logit = flushed_exp::<FMA>(*logit - max);
+    }
+    // The first tile's correction is e^-∞ = 0, against sums that are still 0.
+    let correction = exp::<FMA>(row.maxima[head] - max);
+    counted.then(|| {
+        row.sums[head] = row.sums[head] * correction + lane_sum(*logits);
+        row.maxima[head] = max;
+        correction
+    })
 }
 
 /// `rule` applied to the scores of query head `head` at the tile's positions `first..first +

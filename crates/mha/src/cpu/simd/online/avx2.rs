@@ -16,7 +16,7 @@ use std::arch::x86_64::*;
 
 use super::{
     HEADS, KeyTile, LANES, LogitRule, OnlineRow, TileElement, TilePart, TileScales, apply_rule,
-    exp, flushed_exp, lane_max, lane_sum,
+    softmax_step,
 };
 use crate::cpu::{CpuCapability, cpu_capability};
 
@@ -178,15 +178,7 @@ unsafe fn attend_heads<E: TileElement, const H: usize, const SPLITS: usize, cons
             unsafe { _mm256_storeu_ps(logits[v * VECTOR..].as_mut_ptr(), scores[h][v]) };
         }
         apply_rule::<true>(logits, rule, head, part.first);
-        let max = row.maxima[head].max(lane_max(*logits));
-        for logit in logits.iter_mut() {
-            *logit = flushed_exp::<true>(*logit - max);
-        }
-        // The first tile's correction is e^-∞ = 0, against sums that are still 0.
-        let correction = exp::<true>(row.maxima[head] - max);
-        if h < part.heads {
-            row.sums[head] = row.sums[head] * correction + lane_sum(*logits);
-            row.maxima[head] = max;
+        if let Some(correction) = softmax_step::<true>(logits, row, head, h < part.heads) {
             corrections[h] = correction;
         }
         if let Some(scales) = scales {
