@@ -250,8 +250,9 @@ fn every_sequence_of_a_ragged_step_equals_decoding_it_alone() {
 }
 
 /// Heads 32 and 64 wide, blocks of 16 and 64: the shapes the CPU kernel's AVX-512 and AVX2
-/// paths take (whole 16-position parts, and blocks of 64 as one part of 64; values a multiple
-/// of 16 wide), beside a last partial block per sequence, with and without ALiBi and a soft cap.
+/// paths take (whole 16-position parts, blocks of 64 and runs of four blocks of 16 as one part
+/// of 64; values a multiple of 16 wide), beside a last partial block per sequence, with and
+/// without ALiBi and a soft cap.
 #[test]
 fn wide_heads_and_whole_blocks_equal_decoding_alone_in_every_storage() {
     let device = Device::flex();
@@ -272,8 +273,9 @@ fn wide_heads_and_whole_blocks_equal_decoding_alone_in_every_storage() {
         ),
     ] {
         let module = config.init(&device);
-        // Two whole blocks and a partial one, one whole block.
-        for (block_size, lengths) in [(16, [40, 16]), (64, [140, 64])] {
+        // Two whole blocks and a partial one, one whole block; runs of four blocks of 16 read
+        // as one part of 64 (two and a block, one and a partial block).
+        for (block_size, lengths) in [(16, [40, 16]), (16, [150, 70]), (64, [140, 64])] {
             for storage in [CacheStorage::Float, CacheStorage::Half, CacheStorage::Int8] {
                 let paged = PagedKvCacheConfig::new(32)
                     .with_block_size(block_size)

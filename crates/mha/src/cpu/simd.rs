@@ -545,8 +545,8 @@ pub(crate) fn prefetch_line(address: *const u8) {
 mod online;
 mod widen;
 pub(crate) use online::{
-    Ahead, KeyTile, LogitRule, OnlineRow, TileScales, attend_half_tile, attend_int8_tile,
-    attend_tile,
+    Ahead, KeyTile, LogitRule, OnlineRow, RUN_BLOCK_POSITIONS, RUN_BLOCKS, TileScales,
+    attend_half_run, attend_half_tile, attend_int8_run, attend_int8_tile, attend_run, attend_tile,
 };
 pub(crate) use widen::{dequantize_row, widen_half};
 

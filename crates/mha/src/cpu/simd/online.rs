@@ -12,8 +12,6 @@
 // registers: iterators over them made the compiler keep them on the stack.
 #![allow(clippy::needless_range_loop)]
 
-use std::marker::PhantomData;
-
 use super::{LANES, NATIVE_FMA, VALUE_COLUMNS, exp, flushed_exp, lane_sum, mul_add, tanh};
 
 /// Query heads a tile's loops take at once: four rows of sixteen scores, and four rows of
@@ -23,6 +21,12 @@ const HEADS: usize = 4;
 /// Positions in a wide part of a tile: four vectors, which the AVX-512 path takes as one
 /// (`avx512::attend_part`); the lane loops take parts of [`LANES`].
 const WIDE_LANES: usize = 4 * LANES;
+
+/// Blocks in a run ([`attend_run`]): one wide part.
+pub(crate) const RUN_BLOCKS: usize = WIDE_LANES / LANES;
+
+/// Positions in each block of a run.
+pub(crate) const RUN_BLOCK_POSITIONS: usize = LANES;
 
 /// An element a tile stores its keys and values in: f32, f16, or i8 with a scale per position
 /// ([`TileScales`]).
@@ -165,99 +169,6 @@ pub(crate) struct LogitRule<'a> {
     pub first_distance: usize,
 }
 
-/// A tile that the caller reads after this one, which this tile's loops ask the CPU for as
-/// they go, a cache line per key feature and per value row: asked for all at once (a block's
-/// keys and values are a few KiB per head), the requests filled the core's miss buffers and the
-/// loops waited behind them.
-///
-/// It holds addresses, not slices: a prefetch reads nothing and never faults, and every line
-/// asked for lies inside the tile it was made from.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Ahead<'a> {
-    /// Feature-major keys: feature `f` of position `i` at element `f · key_stride + i`.
-    keys: *const u8,
-    key_bytes: usize,
-    key_stride: usize,
-    /// Position `i`'s value at element `i · value_stride`.
-    values: *const u8,
-    value_bytes: usize,
-    value_stride: usize,
-    /// Bytes per element.
-    element: usize,
-    /// Positions in the tile.
-    count: usize,
-    tile: PhantomData<&'a [u8]>,
-}
-
-impl<'a> Ahead<'a> {
-    /// `tile`'s memory.
-    pub(crate) fn of<E: TileElement>(tile: &KeyTile<'a, E>) -> Self {
-        Ahead {
-            keys: tile.keys.as_ptr().cast(),
-            key_bytes: std::mem::size_of_val(tile.keys),
-            key_stride: tile.key_stride,
-            values: tile.values.as_ptr().cast(),
-            value_bytes: std::mem::size_of_val(tile.values),
-            value_stride: tile.value_stride,
-            element: std::mem::size_of::<E>(),
-            count: tile.count,
-            tile: PhantomData,
-        }
-    }
-
-    /// The byte offset of feature `feature`'s key at position `position`, if the tile has it
-    /// and it starts a line: where a feature's row is shorter than a line (f16 and int8
-    /// blocks of 16), the line holding the previous feature's key at `position` is asked for
-    /// once, not again for each feature in it.
-    fn key_offset(&self, feature: usize, position: usize) -> Option<usize> {
-        let stride = self.key_stride * self.element;
-        let offset = feature * stride + position * self.element;
-        let new_line = feature == 0 || offset / CACHE_LINE != (offset - stride) / CACHE_LINE;
-        (position < self.count && offset < self.key_bytes && new_line).then_some(offset)
-    }
-
-    /// The byte offsets of the cache lines of position `position`'s value (`value_dim` wide),
-    /// if the tile has it.
-    fn value_lines(&self, position: usize, value_dim: usize) -> impl Iterator<Item = usize> {
-        let start = position * self.value_stride * self.element;
-        let end = (start + value_dim * self.element).min(self.value_bytes);
-        let lines = if position < self.count {
-            start..end
-        } else {
-            0..0
-        };
-        lines.step_by(CACHE_LINE)
-    }
-
-    /// Asks for the line of feature `feature`'s keys from position `position` on (16 positions
-    /// of f32 fill a line).
-    #[inline(always)]
-    fn key_line(&self, feature: usize, position: usize) {
-        if let Some(offset) = self.key_offset(feature, position) {
-            super::prefetch_line(self.keys.wrapping_add(offset));
-        }
-    }
-
-    /// Asks for the lines of position `position`'s value.
-    #[inline(always)]
-    fn value_row(&self, position: usize, value_dim: usize) {
-        for offset in self.value_lines(position, value_dim) {
-            super::prefetch_line(self.values.wrapping_add(offset));
-        }
-    }
-}
-
-/// Bytes in a cache line.
-const CACHE_LINE: usize = 64;
-
-/// Whether vector `v` of a part's positions (16 each, from a part's first position, a whole
-/// number of lines into the tile's feature rows) starts a line of a feature's keys: every
-/// vector in f32, every other in f16, the first of four in i8. A part asks for the next tile's
-/// key lines at those vectors only, each line once.
-fn vector_starts_line<E>(v: usize) -> bool {
-    (v * LANES * std::mem::size_of::<E>()).is_multiple_of(CACHE_LINE)
-}
-
 /// A query row of the query heads of one key/value head, its online softmax under way.
 #[derive(Debug)]
 pub(crate) struct OnlineRow<'a> {
@@ -300,6 +211,12 @@ pub(crate) fn attend_int8_tile(
     rule: LogitRule,
 ) {
     let (dim, value_dim) = checked_sizes(row, &tile, &rule);
+    check_scales(&tile, &scales);
+    attend_int8_checked(row, &tile, &scales, &rule, dim, value_dim);
+}
+
+/// Panics unless `scales` holds a key and a value scale per position of `tile`.
+fn check_scales(tile: &KeyTile<i8>, scales: &TileScales) {
     let last = tile.count.max(1) - 1;
     assert!(
         tile.count == 0
@@ -313,7 +230,6 @@ pub(crate) fn attend_int8_tile(
         scales.key_stride,
         scales.value_stride
     );
-    attend_int8_checked(row, &tile, &scales, &rule, dim, value_dim);
 }
 
 /// [`attend_tile`] for a tile of f16 keys and values, converted to f32 as they are read.
@@ -414,14 +330,7 @@ fn attend_parts<const FMA: bool, E: TileElement>(
     // Whether the AVX-512 path takes the tile's parts of 64 positions: the element and the
     // widths decide, the same for every part.
     #[cfg(target_arch = "x86_64")]
-    let wide = avx512::takes::<E>(TilePart {
-        first: 0,
-        lanes: WIDE_LANES,
-        head: 0,
-        heads: HEADS.min(heads),
-        dim,
-        value_dim,
-    });
+    let wide = avx512::takes::<E>(TilePart::wide(0, heads, dim, value_dim));
     #[cfg(not(target_arch = "x86_64"))]
     let wide = false;
     for part in parts(tile.count, heads, dim, value_dim, wide) {
@@ -497,6 +406,21 @@ struct TilePart {
     heads: usize,
     dim: usize,
     value_dim: usize,
+}
+
+impl TilePart {
+    /// The wide part of a tile's (or a run's) first 64 positions against the row's query heads
+    /// from `head` on, at most [`HEADS`] of the row's `heads`.
+    fn wide(head: usize, heads: usize, dim: usize, value_dim: usize) -> Self {
+        TilePart {
+            first: 0,
+            lanes: WIDE_LANES,
+            head,
+            heads: HEADS.min(heads - head),
+            dim,
+            value_dim,
+        }
+    }
 }
 
 /// [`attend_tile`] on one part of the tile, computing `H` query heads (at least `part.heads`:
@@ -741,6 +665,13 @@ fn weighted_values<const FMA: bool, E: TileElement, const H: usize>(
         }
     }
 }
+
+mod ahead;
+mod run;
+
+pub(crate) use ahead::Ahead;
+use ahead::vector_starts_line;
+pub(crate) use run::{attend_half_run, attend_int8_run, attend_run};
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;

@@ -8,6 +8,7 @@
 use std::ops::Range;
 
 use super::PagedSequence;
+use crate::cpu::simd::{RUN_BLOCK_POSITIONS, RUN_BLOCKS};
 
 /// Rows of one sequence that one task takes at most: a prompt's rows are spread over rayon's
 /// threads, and each task reads the keys and values its rows see once, tile by tile, for all
@@ -183,6 +184,49 @@ impl Chunk {
     }
 }
 
+/// Chunks of a task that the kernel reads as one: a run of [`RUN_BLOCKS`] whole stored blocks
+/// of [`RUN_BLOCK_POSITIONS`] (a pool's default blocks of 16), one wide part of the kernel
+/// (`simd::attend_run`), else one chunk.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct Unit {
+    /// The sequence's positions the unit holds.
+    pub positions: Range<usize>,
+    /// Its chunks' indices in the task's chunk list.
+    pub chunks: Range<usize>,
+}
+
+impl Unit {
+    /// Whether the unit is a run of blocks, not one chunk.
+    pub fn is_run(&self) -> bool {
+        self.chunks.len() == RUN_BLOCKS
+    }
+}
+
+/// `chunks` (one task's, in order) grouped into units: every [`RUN_BLOCKS`] whole stored
+/// blocks in a row a run where the pool's blocks hold [`RUN_BLOCK_POSITIONS`], each other chunk
+/// a unit of its own.
+pub(super) fn units(chunks: &[Chunk], block_size: usize) -> Vec<Unit> {
+    let whole_block = |chunk: &Chunk| {
+        matches!(chunk.source, ChunkSource::Stored { offset: 0, .. })
+            && chunk.positions.len() == block_size
+    };
+    let mut units = Vec::with_capacity(chunks.len());
+    let mut first = 0;
+    while first < chunks.len() {
+        let run = block_size == RUN_BLOCK_POSITIONS
+            && chunks
+                .get(first..first + RUN_BLOCKS)
+                .is_some_and(|run| run.iter().all(whole_block));
+        let end = first + if run { RUN_BLOCKS } else { 1 };
+        units.push(Unit {
+            positions: chunks[first].positions.start..chunks[end - 1].positions.end,
+            chunks: first..end,
+        });
+        first = end;
+    }
+    units
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -270,5 +314,35 @@ mod tests {
             .map(|task| (task.rows.clone(), task.positions.clone()))
             .collect();
         assert_eq!(runs, [(0..16, 0..16), (16..32, 0..32), (32..40, 0..40)]);
+    }
+
+    #[test]
+    fn four_whole_blocks_of_16_in_a_row_make_a_run_and_every_other_chunk_a_unit() {
+        // 150 stored positions seen from 5, then two new rows: block 0 from position 5, two
+        // runs of four blocks, the last block's 6 positions and the new rows.
+        let stored = sequence(150, 0..2, 0);
+        let chunk_list: Vec<Chunk> = chunks(&stored, 16, 5..152).collect();
+        let spans: Vec<(Range<usize>, bool)> = units(&chunk_list, 16)
+            .iter()
+            .map(|unit| (unit.positions.clone(), unit.is_run()))
+            .collect();
+        assert_eq!(
+            spans,
+            [
+                (5..16, false),
+                (16..80, true),
+                (80..144, true),
+                (144..150, false),
+                (150..152, false)
+            ]
+        );
+        let total: usize = units(&chunk_list, 16)
+            .iter()
+            .map(|unit| unit.chunks.len())
+            .sum();
+        assert_eq!(total, chunk_list.len());
+        // Blocks of 32 are read as tiles of their own.
+        let chunk_list: Vec<Chunk> = chunks(&stored, 32, 0..152).collect();
+        assert!(units(&chunk_list, 32).iter().all(|unit| !unit.is_run()));
     }
 }

@@ -1,8 +1,8 @@
 //! Rows of one sequence in a paged step, each query through the sequence's block table: the
 //! chunks the rows read (the stored blocks, then the step's new rows, a tile of at most 64
-//! positions at a time), each
-//! chunk's tile of keys and values per key/value head where it lies, and the online softmax of
-//! every row over them. Tiles are visited in order and each is read by every row that sees it
+//! positions at a time; four whole blocks of 16 in a row read as one run, a part of 64 of the
+//! kernel), each chunk's tile of keys and values per key/value head where it lies, and the
+//! online softmax of every row over them. Tiles are visited in order and each is read by every row that sees it
 //! before the next, so that a prompt's rows share each tile from the CPU's nearest cache.
 
 use std::ops::Range;
@@ -10,10 +10,11 @@ use std::ops::Range;
 use burn::tensor::f16;
 
 use super::merge::PartialRows;
-use super::plan::{Chunk, ChunkSource, Task, chunks, tile_positions, visible};
+use super::plan::{Chunk, ChunkSource, Task, Unit, chunks, tile_positions, units, visible};
 use super::{PagedParams, PagedSequence, PoolViews, Sizes, Views};
 use crate::cpu::matrix::{HeadIndex, HeadsView, Matrix};
 use crate::cpu::simd;
+use crate::cpu::simd::RUN_BLOCKS;
 
 /// One chunk's keys and values of one key/value head, where they lie: f32, f16, or the i8 of
 /// an int8 pool's block and its scales.
@@ -31,6 +32,68 @@ impl<'a> Tile<'a> {
             Tile::Float(tile) => simd::Ahead::of(tile),
             Tile::Half(tile) => simd::Ahead::of(tile),
             Tile::Int8(tile, _) => simd::Ahead::of(tile),
+        }
+    }
+}
+
+/// A run of blocks of one key/value head (a [`Unit`] that [`Unit::is_run`]), each where it
+/// lies: f32, f16, or int8 blocks and their scales.
+#[derive(Clone, Copy)]
+enum Run<'a> {
+    Float([simd::KeyTile<'a>; RUN_BLOCKS]),
+    Half([simd::KeyTile<'a, f16>; RUN_BLOCKS]),
+    Int8(
+        [simd::KeyTile<'a, i8>; RUN_BLOCKS],
+        [simd::TileScales<'a>; RUN_BLOCKS],
+    ),
+}
+
+impl<'a> Run<'a> {
+    /// The run of `tiles`, one pool's blocks (all of one element).
+    fn of(tiles: [Tile<'a>; RUN_BLOCKS]) -> Self {
+        use Tile::{Float, Half, Int8};
+        match tiles {
+            [Float(a), Float(b), Float(c), Float(d)] => Run::Float([a, b, c, d]),
+            [Half(a), Half(b), Half(c), Half(d)] => Run::Half([a, b, c, d]),
+            [Int8(a, sa), Int8(b, sb), Int8(c, sc), Int8(d, sd)] => {
+                Run::Int8([a, b, c, d], [sa, sb, sc, sd])
+            }
+            _ => unreachable!("a run's blocks are one pool's, of one element"),
+        }
+    }
+}
+
+/// What the kernel reads as one for one key/value head: a tile or a run of blocks (made on the
+/// stack from the task's tiles where it is read, one or two at a time).
+#[allow(clippy::large_enum_variant)]
+#[derive(Clone, Copy)]
+enum UnitTile<'a> {
+    Tile(Tile<'a>),
+    Run(Run<'a>),
+}
+
+impl<'a> UnitTile<'a> {
+    /// `unit`'s keys and values of key/value head `kv_head`, from `tiles` (every chunk's, chunk
+    /// by chunk, `n_kv_heads` each).
+    fn of(tiles: &[Tile<'a>], n_kv_heads: usize, unit: &Unit, kv_head: usize) -> Self {
+        let chunk_tile = |chunk: usize| tiles[chunk * n_kv_heads + kv_head];
+        if unit.is_run() {
+            let first = unit.chunks.start;
+            UnitTile::Run(Run::of(std::array::from_fn(|block| {
+                chunk_tile(first + block)
+            })))
+        } else {
+            UnitTile::Tile(chunk_tile(unit.chunks.start))
+        }
+    }
+
+    /// Its keys and values, for the unit computed before it to ask the CPU for.
+    fn ahead(&self) -> simd::Ahead<'a> {
+        match self {
+            UnitTile::Tile(tile) => tile.ahead(),
+            UnitTile::Run(Run::Float(blocks)) => simd::Ahead::of_run(blocks),
+            UnitTile::Run(Run::Half(blocks)) => simd::Ahead::of_run(blocks),
+            UnitTile::Run(Run::Int8(blocks, _)) => simd::Ahead::of_run(blocks),
         }
     }
 }
@@ -187,51 +250,75 @@ pub(super) fn task_softmaxes(
         sequence.rows
     );
     let group = n_heads / n_kv_heads;
-    let distance =
-        prefetch_distance(tile_positions(block_size) * 2 * head_dim * views.pool.element_bytes());
     let mut rows = RowStates::new(views, params, task, (n_heads, head_dim));
     let chunk_list: Vec<Chunk> = chunks(sequence, block_size, positions.clone()).collect();
+    let unit_list = units(&chunk_list, block_size);
+    let unit_positions = if unit_list.iter().any(Unit::is_run) {
+        RUN_BLOCKS * block_size
+    } else {
+        tile_positions(block_size)
+    };
+    let distance = prefetch_distance(unit_positions * 2 * head_dim * views.pool.element_bytes());
     // Every (chunk, key/value head) tile once, chunk by chunk: the prefetch ahead and the
-    // computation read the same list.
+    // computation read the same list, unit by unit.
     let mut tiles = Vec::with_capacity(chunk_list.len() * n_kv_heads);
     for chunk in &chunk_list {
         tiles.extend((0..n_kv_heads).map(|kv_head| tile(views, sequence, kv_head, chunk)));
     }
-    for (index, chunk) in chunk_list.iter().enumerate() {
-        let asker = rows.asker(&chunk.positions);
+    for (index, unit) in unit_list.iter().enumerate() {
+        let asker = rows.asker(&unit.positions);
         for kv_head in 0..n_kv_heads {
-            let tile_index = index * n_kv_heads + kv_head;
-            let ahead = tiles.get(tile_index + distance);
-            if let Some(ahead) = ahead {
+            // The (unit, key/value head) `distance` after this one.
+            let later = index * n_kv_heads + kv_head + distance;
+            let ahead = unit_list
+                .get(later / n_kv_heads)
+                .map(|later_unit| UnitTile::of(&tiles, n_kv_heads, later_unit, later % n_kv_heads));
+            if let Some(ahead) = &ahead {
                 prefetch_scales(ahead);
             }
-            let mut ahead = ahead.map(Tile::ahead);
+            let mut ahead = ahead.as_ref().map(UnitTile::ahead);
+            let current = UnitTile::of(&tiles, n_kv_heads, unit, kv_head);
             let heads = kv_head * group..(kv_head + 1) * group;
             for row in 0..rows.visible.len() {
-                let visible = &rows.visible[row];
-                let seen =
-                    visible.start.max(chunk.positions.start)..visible.end.min(chunk.positions.end);
+                let (visible, position) = (rows.visible[row].clone(), rows.positions[row]);
+                let seen = overlap(&visible, &unit.positions);
                 if seen.is_empty() {
                     continue;
                 }
                 let ahead = if row == asker { ahead.take() } else { None };
-                let narrowed;
-                let tile = if seen == chunk.positions {
-                    &tiles[tile_index]
-                } else {
-                    narrowed = tile(views, sequence, kv_head, &chunk.narrowed(seen.clone()));
-                    &narrowed
-                };
-                let rule = simd::LogitRule {
+                let rule = |first: usize| simd::LogitRule {
                     softcap: params.softcap,
                     alibi: params.alibi.as_ref().map(|slopes| &slopes[heads.clone()]),
-                    first_distance: rows.positions[row] - seen.start,
+                    first_distance: position - first,
                 };
-                rows.attend(row, tile, heads.clone(), rule, ahead);
+                if seen == unit.positions {
+                    let rule = rule(seen.start);
+                    match &current {
+                        UnitTile::Tile(tile) => rows.attend(row, tile, heads.clone(), rule, ahead),
+                        UnitTile::Run(run) => rows.attend_run(row, run, heads.clone(), rule, ahead),
+                    }
+                    continue;
+                }
+                // Part of the unit (a prompt's row, a window's first): chunk by chunk, each
+                // narrowed to what the row sees.
+                let mut ahead = ahead;
+                for chunk in &chunk_list[unit.chunks.clone()] {
+                    let seen = overlap(&visible, &chunk.positions);
+                    if !seen.is_empty() {
+                        let rule = rule(seen.start);
+                        let narrowed = tile(views, sequence, kv_head, &chunk.narrowed(seen));
+                        rows.attend(row, &narrowed, heads.clone(), rule, ahead.take());
+                    }
+                }
             }
         }
     }
     rows.partial()
+}
+
+/// The positions of `a` that are in `b` (empty if none).
+fn overlap(a: &Range<usize>, b: &Range<usize>) -> Range<usize> {
+    a.start.max(b.start)..a.end.min(b.end)
 }
 
 /// The rows of a task and their online softmaxes under way, row-major.
@@ -319,6 +406,25 @@ impl RowStates {
             .unwrap_or(0)
     }
 
+    /// Row `row`'s softmax of query heads `heads`, asking for `ahead` as it goes.
+    fn online_row<'s>(
+        &'s mut self,
+        row: usize,
+        heads: Range<usize>,
+        ahead: Option<simd::Ahead<'s>>,
+    ) -> simd::OnlineRow<'s> {
+        let (width, head_dim) = (self.n_heads * self.head_dim, self.head_dim);
+        let features = row * width + heads.start * head_dim..row * width + heads.end * head_dim;
+        let heads = row * self.n_heads + heads.start..row * self.n_heads + heads.end;
+        simd::OnlineRow {
+            queries: &self.queries[features.clone()],
+            outputs: &mut self.outputs[features],
+            maxima: &mut self.maxima[heads.clone()],
+            sums: &mut self.sums[heads],
+            ahead,
+        }
+    }
+
     /// Adds `tile`'s positions to row `row`'s softmax of query heads `heads` (those sharing the
     /// tile's key/value head), asking for `ahead` as it goes.
     fn attend(
@@ -329,20 +435,28 @@ impl RowStates {
         rule: simd::LogitRule,
         ahead: Option<simd::Ahead>,
     ) {
-        let (width, head_dim) = (self.n_heads * self.head_dim, self.head_dim);
-        let features = row * width + heads.start * head_dim..row * width + heads.end * head_dim;
-        let heads = row * self.n_heads + heads.start..row * self.n_heads + heads.end;
-        let mut online = simd::OnlineRow {
-            queries: &self.queries[features.clone()],
-            outputs: &mut self.outputs[features],
-            maxima: &mut self.maxima[heads.clone()],
-            sums: &mut self.sums[heads],
-            ahead,
-        };
+        let mut online = self.online_row(row, heads, ahead);
         match *tile {
             Tile::Float(tile) => simd::attend_tile(&mut online, tile, rule),
             Tile::Half(tile) => simd::attend_half_tile(&mut online, tile, rule),
             Tile::Int8(tile, scales) => simd::attend_int8_tile(&mut online, tile, scales, rule),
+        }
+    }
+
+    /// [`attend`](Self::attend) over a run of blocks, which the row sees whole.
+    fn attend_run(
+        &mut self,
+        row: usize,
+        run: &Run,
+        heads: Range<usize>,
+        rule: simd::LogitRule,
+        ahead: Option<simd::Ahead>,
+    ) {
+        let mut online = self.online_row(row, heads, ahead);
+        match run {
+            Run::Float(blocks) => simd::attend_run(&mut online, blocks, rule),
+            Run::Half(blocks) => simd::attend_half_run(&mut online, blocks, rule),
+            Run::Int8(blocks, scales) => simd::attend_int8_run(&mut online, blocks, scales, rule),
         }
     }
 
@@ -356,12 +470,22 @@ impl RowStates {
     }
 }
 
-/// Asks the CPU for an int8 tile's scales (a line or two; its keys and values are asked for
-/// by the tile computed before it, through [`Tile::ahead`]).
-fn prefetch_scales(tile: &Tile) {
-    if let Tile::Int8(tile, scales) = tile {
+/// Asks the CPU for an int8 tile's or run's scales (a line or two a block; their keys and
+/// values are asked for by the unit computed before it, through [`UnitTile::ahead`]).
+fn prefetch_scales(unit: &UnitTile) {
+    let prefetch = |tile: &simd::KeyTile<i8>, scales: &simd::TileScales| {
         simd::prefetch(scales.keys, tile.count * scales.key_stride);
         simd::prefetch(scales.values, tile.count * scales.value_stride);
+    };
+    match unit {
+        UnitTile::Tile(Tile::Int8(tile, scales)) => prefetch(tile, scales),
+        UnitTile::Run(Run::Int8(blocks, scales)) => {
+            blocks
+                .iter()
+                .zip(scales)
+                .for_each(|(tile, scales)| prefetch(tile, scales));
+        }
+        _ => {}
     }
 }
 

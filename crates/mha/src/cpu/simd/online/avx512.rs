@@ -10,8 +10,8 @@
 use std::arch::x86_64::*;
 
 use super::{
-    HEADS, KeyTile, LANES, LogitRule, OnlineRow, TileElement, TilePart, TileScales, WIDE_LANES,
-    apply_rule, vector_starts_line,
+    HEADS, KeyTile, LANES, LogitRule, OnlineRow, RUN_BLOCKS, TileElement, TilePart, TileScales,
+    WIDE_LANES, apply_rule, vector_starts_line,
 };
 
 /// Whether [`attend_part`] takes `part`: the kernels run AVX-512 (`cpu_capability`), the
@@ -99,16 +99,83 @@ pub(super) unsafe fn attend_part<E: TileElement>(
     part: TilePart,
 ) {
     debug_assert!(part.lanes <= LANES || part.lanes == WIDE_LANES);
+    let vectors = Vectors {
+        tiles: [tile; WIDE],
+        scales: [scales; WIDE],
+        firsts: std::array::from_fn(|v| part.first + v * LANES),
+        run: false,
+    };
+    // SAFETY: the caller's; each instance computes at least `part.heads` heads, the wide ones
+    // `WIDE_LANES` positions, which a part of more than 16 has; vector `v` of a wide part is
+    // the tile's positions `part.first + 16 v..`, which it holds.
+    unsafe { attend_vectors(row, &vectors, rule, part) }
+}
+
+/// [`attend_part`] for a wide part whose four vectors of positions are the run `blocks`, each
+/// 16 positions where it lies (see [`super::attend_run`]).
+///
+/// # Safety
+///
+/// The CPU has AVX-512F; `part.first` is 0 and `part.lanes` [`WIDE_LANES`]; `row` as
+/// [`attend_part`] says; each block holds 16 positions' keys and values `part.dim` and
+/// `part.value_dim` wide at its strides, and `scales`, if any, a scale of each kind per
+/// position of each block.
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn attend_run_part<E: TileElement>(
+    row: &mut OnlineRow,
+    blocks: &[KeyTile<E>; RUN_BLOCKS],
+    scales: Option<&[TileScales; RUN_BLOCKS]>,
+    rule: &LogitRule,
+    part: TilePart,
+) {
+    debug_assert!(part.first == 0 && part.lanes == WIDE_LANES);
+    let vectors = Vectors {
+        tiles: blocks.each_ref(),
+        scales: std::array::from_fn(|v| scales.map(|scales| &scales[v])),
+        firsts: [0; WIDE],
+        run: true,
+    };
+    // SAFETY: the caller's; vector `v` is block `v`'s 16 positions.
+    unsafe { attend_vectors(row, &vectors, rule, part) }
+}
+
+/// Where each vector of 16 positions of a part lies: in one tile, from position `first + 16 v`
+/// of the tile; in a run, block `v` from its position 0.
+struct Vectors<'t, 'a, E> {
+    tiles: [&'t KeyTile<'a, E>; WIDE],
+    scales: [Option<&'t TileScales<'a>>; WIDE],
+    /// Each vector's first position in its tile.
+    firsts: [usize; WIDE],
+    /// Whether each vector is a block of its own (a run), so that each starts its own lines of
+    /// keys to ask for.
+    run: bool,
+}
+
+/// The part through the instance of [`attend_heads`] for its number of heads and of
+/// positions.
+///
+/// # Safety
+///
+/// As [`attend_part`], with `vectors` holding the part's positions: `part.lanes` of them from
+/// vector 0's first (each vector's 16 in a wide part).
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn attend_vectors<E: TileElement>(
+    row: &mut OnlineRow,
+    vectors: &Vectors<E>,
+    rule: &LogitRule,
+    part: TilePart,
+) {
     // SAFETY: the caller's; each instance computes at least `part.heads` heads, the wide ones
     // `WIDE_LANES` positions, which a part of more than 16 has.
     unsafe {
         match (part.heads, part.lanes > LANES) {
-            (1, false) => attend_heads::<E, 1, 1, 8>(row, tile, scales, rule, part),
-            (2, false) => attend_heads::<E, 2, 1, 4>(row, tile, scales, rule, part),
-            (_, false) => attend_heads::<E, HEADS, 1, 2>(row, tile, scales, rule, part),
-            (1, true) => attend_heads::<E, 1, WIDE, 2>(row, tile, scales, rule, part),
-            (2, true) => attend_heads::<E, 2, WIDE, 2>(row, tile, scales, rule, part),
-            (_, true) => attend_heads::<E, HEADS, WIDE, 1>(row, tile, scales, rule, part),
+            (1, false) => attend_heads::<E, 1, 1, 8>(row, vectors, rule, part),
+            (2, false) => attend_heads::<E, 2, 1, 4>(row, vectors, rule, part),
+            (_, false) => attend_heads::<E, HEADS, 1, 2>(row, vectors, rule, part),
+            (1, true) => attend_heads::<E, 1, WIDE, 2>(row, vectors, rule, part),
+            (2, true) => attend_heads::<E, 2, WIDE, 2>(row, vectors, rule, part),
+            (_, true) => attend_heads::<E, HEADS, WIDE, 1>(row, vectors, rule, part),
         }
     }
 }
@@ -124,13 +191,12 @@ pub(super) unsafe fn attend_part<E: TileElement>(
 ///
 /// # Safety
 ///
-/// As [`attend_part`], `part.heads ≤ H`, and `part.lanes` is `16 · V` where `V` is not 1.
+/// As [`attend_vectors`], `part.heads ≤ H`, and `part.lanes` is `16 · V` where `V` is not 1.
 #[inline]
 #[target_feature(enable = "avx512f")]
 unsafe fn attend_heads<E: TileElement, const H: usize, const V: usize, const SPLITS: usize>(
     row: &mut OnlineRow,
-    tile: &KeyTile<E>,
-    scales: Option<&TileScales>,
+    vectors: &Vectors<E>,
     rule: &LogitRule,
     part: TilePart,
 ) {
@@ -145,27 +211,28 @@ unsafe fn attend_heads<E: TileElement, const H: usize, const V: usize, const SPL
     let lanes_of = |v: usize| if v + 1 == V { last_lanes } else { u16::MAX };
     let mut split_scores = [[[_mm512_setzero_ps(); SPLITS]; V]; H];
     // SAFETY: the loads: feature `f < dim` of query head `head_of(h)` is in `row.queries`;
-    // the key loads read lanes `< part.lanes` of row `f`, inside `tile.keys` (all 16 of each
-    // vector for i8 and f16, which `takes` only takes whole).
+    // the key loads read lanes `< part.lanes` of row `f` of each vector's tile, inside its
+    // keys (all 16 of each vector for i8 and f16, which `takes` only takes whole).
     unsafe {
-        let keys = tile.keys.as_ptr().add(part.first);
+        let keys: [*const E; V] =
+            std::array::from_fn(|v| vectors.tiles[v].keys.as_ptr().add(vectors.firsts[v]));
+        let key_strides: [usize; V] = std::array::from_fn(|v| vectors.tiles[v].key_stride);
         let queries: [*const f32; H] =
             std::array::from_fn(|h| row.queries.as_ptr().add(head_of(h) * dim));
         // The next tile's keys, once per part of its positions (by its first heads).
-        let ahead = row.ahead.filter(|_| part.head == 0);
+        let ahead = row.ahead.as_ref().filter(|_| part.head == 0);
         let mut first = 0;
         while first < dim {
             for split in 0..SPLITS {
                 let feature = first + split;
                 if feature < dim {
-                    let row_keys = keys.add(feature * tile.key_stride);
                     let mut key = [_mm512_setzero_ps(); V];
                     for v in 0..V {
-                        let starts_line = vector_starts_line::<E>(v);
+                        let starts_line = vectors.run || vector_starts_line::<E>(v);
                         if let Some(ahead) = ahead.as_ref().filter(|_| starts_line) {
                             ahead.key_line(feature, part.first + v * LANES);
                         }
-                        key[v] = load(row_keys.add(v * LANES), lanes_of(v));
+                        key[v] = load(keys[v].add(feature * key_strides[v]), lanes_of(v));
                     }
                     for h in 0..H {
                         let query = _mm512_set1_ps(*queries[h].add(feature));
@@ -187,9 +254,9 @@ unsafe fn attend_heads<E: TileElement, const H: usize, const V: usize, const SPL
                 .expect("at least one split")
         })
     });
-    if let Some(scales) = scales {
-        for v in 0..V {
-            let key_scales = scale_vector(scales.keys, scales.key_stride, part.first + v * LANES);
+    for v in 0..V {
+        if let Some(scales) = vectors.scales[v] {
+            let key_scales = scale_vector(scales.keys, scales.key_stride, vectors.firsts[v]);
             for h in 0..H {
                 scores[h][v] = _mm512_mul_ps(scores[h][v], key_scales);
             }
@@ -209,10 +276,9 @@ unsafe fn attend_heads<E: TileElement, const H: usize, const V: usize, const SPL
             }
         }
     }
-    let value_scales: Option<[__m512; V]> = scales.map(|scales| {
-        std::array::from_fn(|v| {
-            scale_vector(scales.values, scales.value_stride, part.first + v * LANES)
-        })
+    let value_scales: [Option<__m512>; V] = std::array::from_fn(|v| {
+        vectors.scales[v]
+            .map(|scales| scale_vector(scales.values, scales.value_stride, vectors.firsts[v]))
     });
     let mut weights = [[0.0f32; WIDE_LANES]; H];
     let mut corrections = [1.0f32; H];
@@ -244,8 +310,8 @@ unsafe fn attend_heads<E: TileElement, const H: usize, const V: usize, const SPL
         }
         for v in 0..V {
             // The int8 values' scales go into their weights (the sum above is the softmax's).
-            let weight = value_scales.map_or(exponentials[v], |scales| {
-                _mm512_mul_ps(exponentials[v], scales[v])
+            let weight = value_scales[v].map_or(exponentials[v], |scales| {
+                _mm512_mul_ps(exponentials[v], scales)
             });
             // SAFETY: `weights[h][16 · v..]` holds 16 floats (`V ≤ WIDE`).
             unsafe { _mm512_storeu_ps(weights[h][v * LANES..].as_mut_ptr(), weight) };
@@ -253,18 +319,18 @@ unsafe fn attend_heads<E: TileElement, const H: usize, const V: usize, const SPL
     }
     let mut start = 0;
     while start < value_dim {
-        let vectors = (value_dim - start) / LANES;
-        // SAFETY: columns `start..start + 16 · vectors` of the part's value rows and of its
+        let columns = (value_dim - start) / LANES;
+        // SAFETY: columns `start..start + 16 · columns` of the part's value rows and of its
         // heads' outputs are inside `tile.values` and `row.outputs`.
         unsafe {
-            match vectors {
-                1 => value_pass::<1, H, E>(row, tile, part, &weights, &corrections, start),
-                2 => value_pass::<2, H, E>(row, tile, part, &weights, &corrections, start),
-                3 => value_pass::<3, H, E>(row, tile, part, &weights, &corrections, start),
-                _ => value_pass::<4, H, E>(row, tile, part, &weights, &corrections, start),
+            match columns {
+                1 => value_pass::<1, H, V, E>(row, vectors, part, &weights, &corrections, start),
+                2 => value_pass::<2, H, V, E>(row, vectors, part, &weights, &corrections, start),
+                3 => value_pass::<3, H, V, E>(row, vectors, part, &weights, &corrections, start),
+                _ => value_pass::<4, H, V, E>(row, vectors, part, &weights, &corrections, start),
             }
         }
-        start += LANES * vectors.min(4);
+        start += LANES * columns.min(4);
     }
 }
 
@@ -273,38 +339,44 @@ unsafe fn attend_heads<E: TileElement, const H: usize, const V: usize, const SPL
 ///
 /// # Safety
 ///
-/// As [`attend_part`], and `start + 16 · VECTORS ≤ part.value_dim`.
+/// As [`attend_vectors`], and `start + 16 · VECTORS ≤ part.value_dim`.
 #[inline]
 #[target_feature(enable = "avx512f")]
-unsafe fn value_pass<const VECTORS: usize, const H: usize, E: TileElement>(
+unsafe fn value_pass<const VECTORS: usize, const H: usize, const V: usize, E: TileElement>(
     row: &mut OnlineRow,
-    tile: &KeyTile<E>,
+    vectors: &Vectors<E>,
     part: TilePart,
     weights: &[[f32; WIDE_LANES]; H],
     corrections: &[f32; H],
     start: usize,
 ) {
     let mut sums = [[_mm512_setzero_ps(); VECTORS]; H];
-    // SAFETY: value row `part.first + lane` (lane < part.lanes) and its columns `start..start
-    // + 16 · VECTORS` are inside `tile.values`; output columns likewise inside `row.outputs`
-    // for heads below `part.head + part.heads`.
+    // SAFETY: the value rows of the part's lanes (lane `16 v + l` is row `firsts[v] + l` of
+    // vector `v`'s tile, `l < 16` and `16 v + l < part.lanes`) and their columns `start..start
+    // + 16 · VECTORS` are inside that tile's values; output columns likewise inside
+    // `row.outputs` for heads below `part.head + part.heads`.
     unsafe {
-        let values = tile
-            .values
-            .as_ptr()
-            .add(part.first * tile.value_stride + start);
         // The next tile's value rows, once per part (at its first columns).
-        let ahead = row.ahead.filter(|_| part.head == 0 && start == 0);
-        for lane in 0..part.lanes {
-            let value_row = values.add(lane * tile.value_stride);
-            if let Some(ahead) = &ahead {
-                ahead.value_row(part.first + lane, part.value_dim);
-            }
-            for v in 0..VECTORS {
-                let value = load(value_row.add(v * LANES), u16::MAX);
-                for h in 0..H {
-                    let weight = _mm512_set1_ps(weights[h][lane]);
-                    sums[h][v] = _mm512_fmadd_ps(weight, value, sums[h][v]);
+        let ahead = row.ahead.as_ref().filter(|_| part.head == 0 && start == 0);
+        for vector in 0..V {
+            let tile = vectors.tiles[vector];
+            let values = tile
+                .values
+                .as_ptr()
+                .add(vectors.firsts[vector] * tile.value_stride + start);
+            let lanes = part.lanes.saturating_sub(vector * LANES).min(LANES);
+            for l in 0..lanes {
+                let lane = vector * LANES + l;
+                let value_row = values.add(l * tile.value_stride);
+                if let Some(ahead) = &ahead {
+                    ahead.value_row(part.first + lane, part.value_dim);
+                }
+                for v in 0..VECTORS {
+                    let value = load(value_row.add(v * LANES), u16::MAX);
+                    for h in 0..H {
+                        let weight = _mm512_set1_ps(weights[h][lane]);
+                        sums[h][v] = _mm512_fmadd_ps(weight, value, sums[h][v]);
+                    }
                 }
             }
         }

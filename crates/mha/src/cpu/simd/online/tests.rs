@@ -8,6 +8,7 @@
 
 use burn::tensor::f16;
 
+use super::ahead::CACHE_LINE;
 use super::*;
 
 /// The element a case's tiles store their keys and values in.
@@ -38,6 +39,9 @@ struct Case {
     softcap: Option<f32>,
     alibi: bool,
     element: Element,
+    /// Whether every four tiles of 16 in a row go through the run entry points (as a paged
+    /// pool's blocks of 16), not one at a time.
+    runs: bool,
 }
 
 /// A tile's int8 form: `keys`/`values` in the f32 form's layout, and the scales.
@@ -140,6 +144,89 @@ fn stored_tile(case: &Case, count: usize, salt: usize) -> StoredTile {
     }
 }
 
+/// A tile's f32 keys and values (its f32 form).
+fn float_tile(tile: &StoredTile) -> KeyTile<'_> {
+    KeyTile {
+        keys: &tile.keys,
+        key_stride: tile.key_stride,
+        values: &tile.values,
+        value_stride: tile.value_stride,
+        count: tile.count,
+    }
+}
+
+/// A tile's f16 keys and values.
+fn half_tile(tile: &StoredTile) -> KeyTile<'_, f16> {
+    let (keys, values) = tile.half.as_ref().expect("an f16 case");
+    KeyTile {
+        keys,
+        values,
+        ..float_tile(tile).with_elements()
+    }
+}
+
+/// A tile's int8 keys and values, and their scales.
+fn int8_tile(tile: &StoredTile) -> (KeyTile<'_, i8>, TileScales<'_>) {
+    let int8 = tile.int8.as_ref().expect("an int8 case");
+    let scales = TileScales {
+        keys: &int8.key_scales,
+        key_stride: 1,
+        values: &int8.value_scales,
+        value_stride: VALUE_SCALE_STRIDE,
+    };
+    let tile = KeyTile {
+        keys: int8.keys.as_slice(),
+        values: int8.values.as_slice(),
+        ..float_tile(tile).with_elements()
+    };
+    (tile, scales)
+}
+
+impl KeyTile<'_> {
+    /// The strides and count, over no elements (for the other forms' tiles to take).
+    fn with_elements<E>(self) -> KeyTile<'static, E> {
+        KeyTile {
+            keys: Default::default(),
+            key_stride: self.key_stride,
+            values: Default::default(),
+            value_stride: self.value_stride,
+            count: self.count,
+        }
+    }
+}
+
+/// `group` (one tile, or a run of [`RUN_BLOCKS`] tiles of 16) added to `row` through the entry
+/// point of the case's element.
+fn attend_stored(row: &mut OnlineRow, group: &[StoredTile], rule: LogitRule) {
+    let element = match (&group[0].int8, &group[0].half) {
+        (Some(_), _) => Element::I8,
+        (None, Some(_)) => Element::F16,
+        (None, None) => Element::F32,
+    };
+    if let [tile] = group {
+        match element {
+            Element::F32 => attend_tile(row, float_tile(tile), rule),
+            Element::F16 => attend_half_tile(row, half_tile(tile), rule),
+            Element::I8 => {
+                let (tile, scales) = int8_tile(tile);
+                attend_int8_tile(row, tile, scales, rule);
+            }
+        }
+        return;
+    }
+    match element {
+        Element::F32 => attend_run(row, &std::array::from_fn(|b| float_tile(&group[b])), rule),
+        Element::F16 => {
+            attend_half_run(row, &std::array::from_fn(|b| half_tile(&group[b])), rule);
+        }
+        Element::I8 => {
+            let blocks = std::array::from_fn(|b| int8_tile(&group[b]).0);
+            let scales = std::array::from_fn(|b| int8_tile(&group[b]).1);
+            attend_int8_run(row, &blocks, &scales, rule);
+        }
+    }
+}
+
 /// Runs `case` through `attend_tile` and the reference; panics where they differ.
 fn check(case: &Case) {
     let Case {
@@ -165,7 +252,13 @@ fn check(case: &Case) {
     let mut maxima = vec![f32::NEG_INFINITY; heads];
     let mut sums = vec![0.0f32; heads];
     let mut first_position = 0;
-    for tile in &tiles {
+    let mut index = 0;
+    while index < tiles.len() {
+        let run = case.runs
+            && tiles
+                .get(index..index + RUN_BLOCKS)
+                .is_some_and(|run| run.iter().all(|tile| tile.count == LANES));
+        let group = &tiles[index..index + if run { RUN_BLOCKS } else { 1 }];
         let mut row = OnlineRow {
             queries: &queries,
             outputs: &mut outputs,
@@ -173,50 +266,14 @@ fn check(case: &Case) {
             sums: &mut sums,
             ahead: None,
         };
-        let key_tile = KeyTile {
-            keys: &tile.keys,
-            key_stride: tile.key_stride,
-            values: &tile.values,
-            value_stride: tile.value_stride,
-            count: tile.count,
-        };
         let rule = LogitRule {
             softcap: case.softcap,
             alibi: case.alibi.then_some(slopes.as_slice()),
             first_distance: total - 1 - first_position,
         };
-        match &tile.int8 {
-            Some(int8) => {
-                let int8_tile = KeyTile {
-                    keys: int8.keys.as_slice(),
-                    values: int8.values.as_slice(),
-                    key_stride: tile.key_stride,
-                    value_stride: tile.value_stride,
-                    count: tile.count,
-                };
-                let scales = TileScales {
-                    keys: &int8.key_scales,
-                    key_stride: 1,
-                    values: &int8.value_scales,
-                    value_stride: VALUE_SCALE_STRIDE,
-                };
-                attend_int8_tile(&mut row, int8_tile, scales, rule);
-            }
-            None => match &tile.half {
-                Some((keys, values)) => {
-                    let half_tile = KeyTile {
-                        keys: keys.as_slice(),
-                        values: values.as_slice(),
-                        key_stride: tile.key_stride,
-                        value_stride: tile.value_stride,
-                        count: tile.count,
-                    };
-                    attend_half_tile(&mut row, half_tile, rule);
-                }
-                None => attend_tile(&mut row, key_tile, rule),
-            },
-        }
-        first_position += tile.count;
+        attend_stored(&mut row, group, rule);
+        first_position += group.iter().map(|tile| tile.count).sum::<usize>();
+        index += group.len();
     }
     for head in 0..heads {
         let query = &queries[head * dim..][..dim];
@@ -297,6 +354,7 @@ fn matches_for_every_shape(element: Element) {
                     softcap: None,
                     alibi: false,
                     element,
+                    runs: false,
                 });
             }
         }
@@ -334,11 +392,67 @@ fn attend_tile_applies_the_soft_cap_and_alibi_penalty() {
                         softcap,
                         alibi,
                         element,
+                        runs: false,
                     });
                 }
             }
         }
     }
+}
+
+/// Runs of four blocks of 16 (a paged pool's default blocks, read as one wide part) held to
+/// the reference in every element, with and without the rules, among tiles of their own; value
+/// widths 40 and 80 are not the AVX-512 path's whole vectors in every part, so that a run's
+/// blocks go one at a time through the other paths too.
+#[test]
+fn attend_run_matches_a_softmax_over_all_positions() {
+    for element in [Element::F32, Element::F16, Element::I8] {
+        for (softcap, alibi) in [(None, false), (Some(5.0), true)] {
+            for heads in [1, 2, 4, 6] {
+                for (dim, value_dim) in [(16, 16), (64, 64), (17, 40), (32, 80), (24, 8)] {
+                    check(&Case {
+                        heads,
+                        dim,
+                        value_dim,
+                        tiles: vec![16, 16, 16, 16, 5, 16, 16, 16, 16, 16, 16],
+                        softcap,
+                        alibi,
+                        element,
+                        runs: true,
+                    });
+                }
+            }
+        }
+    }
+}
+
+#[test]
+#[should_panic(expected = "a run's blocks 16 each")]
+fn attend_run_refuses_a_block_of_other_than_16_positions() {
+    let mut buffers = RowBuffers::new(4, 4, 1);
+    let (keys, values) = ([1.0f32; 64], [1.0f32; 64]);
+    let blocks = [16, 16, 15, 16].map(|count| KeyTile {
+        count,
+        ..columns_tile(&keys, &values, 16)
+    });
+    let rule = LogitRule {
+        first_distance: 100,
+        ..PLAIN
+    };
+    attend_run(&mut buffers.row(), &blocks, rule);
+}
+
+#[test]
+#[should_panic(expected = "its last would be after it")]
+fn attend_run_refuses_a_run_that_reaches_past_the_query() {
+    let mut buffers = RowBuffers::new(4, 4, 1);
+    let (keys, values) = ([1.0f32; 64], [1.0f32; 64]);
+    let blocks = [16; RUN_BLOCKS].map(|count| columns_tile(&keys, &values, count));
+    let rule = LogitRule {
+        first_distance: 40,
+        ..PLAIN
+    };
+    attend_run(&mut buffers.row(), &blocks, rule);
 }
 
 /// Logits that are the scores.
@@ -453,10 +567,12 @@ fn requests<E>(
     for first in (0..count).step_by(part) {
         for feature in 0..dim {
             for v in (0..part / LANES).filter(|&v| vector_starts_line::<E>(v)) {
-                keys.extend(ahead.key_offset(feature, first + v * LANES));
+                let (_, position) = ahead.locate(first + v * LANES);
+                keys.extend(ahead.key_offset(feature, position));
             }
         }
         for position in first..(first + part).min(count) {
+            let (_, position) = ahead.locate(position);
             values.extend(ahead.value_lines(position, value_dim));
         }
     }
@@ -550,14 +666,68 @@ fn ahead_asks_for_no_line_of_a_position_past_the_tile() {
     let keys = vec![0.0f32; dim * block_size];
     let values = vec![0.0f32; block_size * value_dim];
     let ahead = block_ahead(&keys, &values, [block_size, value_dim], count);
+    let (_, position) = ahead.locate(count);
     assert_eq!(
-        ahead.key_offset(0, count),
+        ahead.key_offset(0, position),
         None,
         "position 5 is not the tile's"
     );
-    assert_eq!(ahead.value_lines(count, value_dim).count(), 0);
+    assert_eq!(ahead.value_lines(position, value_dim).count(), 0);
     let lines = lines_asked_for::<f32>(&ahead, dim, value_dim, block_size);
     assert_eq!(lines, [vec![0, 2, 4, 6], vec![0, 1, 2, 3, 4]]);
+}
+
+/// A run of four blocks of 16 positions of `E` read as one wide part: position `16 b + i` of
+/// the run is position `i` of block `b`, so that the part's four vectors ask for every line of
+/// their own block, each key line once.
+fn each_line_of_each_block_of_a_run<E: TileElement>(zero: E) {
+    let (dim, value_dim) = (8, 16);
+    let keys = vec![zero; dim * LANES];
+    let values = vec![zero; LANES * value_dim];
+    let block = KeyTile {
+        keys: keys.as_slice(),
+        key_stride: LANES,
+        values: values.as_slice(),
+        value_stride: value_dim,
+        count: LANES,
+    };
+    let ahead = Ahead::of_run(&[block; RUN_BLOCKS]);
+    let lines = |bytes: usize| (0..bytes.div_ceil(CACHE_LINE)).collect::<Vec<_>>();
+    for b in 0..RUN_BLOCKS {
+        let mut key_lines = Vec::new();
+        let mut value_lines = Vec::new();
+        for feature in 0..dim {
+            let (block, position) = ahead.locate(b * LANES);
+            assert_eq!(block, b, "position {} of the run", b * LANES);
+            key_lines.extend(ahead.key_offset(feature, position));
+        }
+        for lane in 0..LANES {
+            let (block, position) = ahead.locate(b * LANES + lane);
+            assert_eq!(block, b, "position {} of the run", b * LANES + lane);
+            value_lines.extend(ahead.value_lines(position, value_dim));
+        }
+        let [key_lines, mut value_lines]: [Vec<usize>; 2] = [key_lines, value_lines]
+            .map(|offsets| offsets.iter().map(|offset| offset / CACHE_LINE).collect());
+        // An f16 or int8 value row is part of a line, asked for by each position in it.
+        value_lines.dedup();
+        assert_eq!(
+            key_lines,
+            lines(std::mem::size_of_val(keys.as_slice())),
+            "block {b}'s keys"
+        );
+        assert_eq!(
+            value_lines,
+            lines(std::mem::size_of_val(values.as_slice())),
+            "block {b}'s values"
+        );
+    }
+}
+
+#[test]
+fn ahead_of_a_run_asks_for_each_line_of_each_block_once() {
+    each_line_of_each_block_of_a_run(0.0f32);
+    each_line_of_each_block_of_a_run(f16::from_f32(0.0));
+    each_line_of_each_block_of_a_run(0i8);
 }
 
 /// Every f16 bit pattern, sixteen and sixty-four at a time (the widths the lane loops convert),

@@ -1,0 +1,121 @@
+//! A run: [`RUN_BLOCKS`] blocks of 16 consecutive positions of one key/value head, each where
+//! it lies (a paged pool's blocks of 16 of one sequence), added to a query row's online softmax
+//! as one part of 64 positions.
+//!
+//! Why: the AVX-512 path's wide parts (64 positions: each query feature's broadcast multiplies
+//! four vectors of keys, the softmax's reductions and the outputs' rescale paid once for 64
+//! positions) took only tiles whose 64 positions lie in one run of memory, so a pool of blocks
+//! of 16 (the default, as vLLM's) ran every block as a part of 16. Four blocks in one part need
+//! only four key and value addresses where one tile has one.
+
+use burn::tensor::f16;
+
+use super::{
+    HEADS, KeyTile, LANES, LogitRule, OnlineRow, RUN_BLOCKS, TileElement, TilePart, TileScales,
+    WIDE_LANES, attend_half_tile, attend_int8_tile, attend_tile, check_scales, checked_sizes,
+};
+
+/// [`attend_tile`] over the run `blocks`, position `p` of the run position `p % 16` of block
+/// `p / 16`; `rule.first_distance` is the run's first position's. `row.ahead`, if any, is the
+/// memory of what the caller reads next, as a tile or a run ([`super::Ahead::of_run`]).
+///
+/// # Panics
+///
+/// As [`attend_tile`] for each block, if a block holds other than 16 positions, or if the run
+/// does not lie before the query (`rule.first_distance` below 48).
+pub(crate) fn attend_run(row: &mut OnlineRow, blocks: &[KeyTile; RUN_BLOCKS], rule: LogitRule) {
+    attend_run_checked(row, blocks, None, rule, |row, tile, _, rule| {
+        attend_tile(row, tile, rule)
+    });
+}
+
+/// [`attend_run`] for blocks of f16 keys and values, converted to f32 as they are read.
+///
+/// # Panics
+///
+/// As [`attend_run`].
+pub(crate) fn attend_half_run(
+    row: &mut OnlineRow,
+    blocks: &[KeyTile<f16>; RUN_BLOCKS],
+    rule: LogitRule,
+) {
+    attend_run_checked(row, blocks, None, rule, |row, tile, _, rule| {
+        attend_half_tile(row, tile, rule)
+    });
+}
+
+/// [`attend_run`] for blocks of int8 keys and values, block `b`'s scaled by `scales[b]` (see
+/// [`super::attend_int8_tile`]).
+///
+/// # Panics
+///
+/// As [`attend_run`], and if a block's scales hold fewer than 16 scales of either kind.
+pub(crate) fn attend_int8_run(
+    row: &mut OnlineRow,
+    blocks: &[KeyTile<i8>; RUN_BLOCKS],
+    scales: &[TileScales; RUN_BLOCKS],
+    rule: LogitRule,
+) {
+    for (tile, scales) in blocks.iter().zip(scales) {
+        check_scales(tile, scales);
+    }
+    attend_run_checked(
+        row,
+        blocks,
+        Some(scales),
+        rule,
+        |row, tile, scales, rule| {
+            attend_int8_tile(row, tile, scales.expect("an int8 block's scales"), rule)
+        },
+    );
+}
+
+/// The entry points' body: the run's blocks checked, then one wide part per four query heads
+/// through the AVX-512 path where it takes them, else each block as a tile of its own through
+/// `one_tile` (the AVX2 path and the lane loops, which have no wide parts).
+fn attend_run_checked<E: TileElement>(
+    row: &mut OnlineRow,
+    blocks: &[KeyTile<E>; RUN_BLOCKS],
+    scales: Option<&[TileScales; RUN_BLOCKS]>,
+    rule: LogitRule,
+    one_tile: impl Fn(&mut OnlineRow, KeyTile<E>, Option<TileScales>, LogitRule),
+) {
+    let mut sizes = (0, 0);
+    for (block, tile) in blocks.iter().enumerate() {
+        sizes = checked_sizes(row, tile, &rule);
+        assert!(
+            tile.count == LANES,
+            "attend_run: block {block} holds {} positions, a run's blocks {LANES} each",
+            tile.count
+        );
+    }
+    assert!(
+        rule.first_distance >= WIDE_LANES - LANES,
+        "attend_run: the run's first position is {} before the query, its last would be after it",
+        rule.first_distance
+    );
+    let (dim, value_dim) = sizes;
+    let heads = row.maxima.len();
+    #[cfg(target_arch = "x86_64")]
+    if super::avx512::takes::<E>(TilePart::wide(0, heads, dim, value_dim)) {
+        for head in (0..heads).step_by(HEADS) {
+            let part = TilePart::wide(head, heads, dim, value_dim);
+            // SAFETY: the CPU has AVX-512F (`takes` checked it); every block holds its 16
+            // positions' keys and values of the row's widths (`checked_sizes`) and, for int8,
+            // their scales (`check_scales`); the row holds whole heads, `part.heads` of them
+            // from `head`.
+            unsafe { super::avx512::attend_run_part(row, blocks, scales, &rule, part) };
+        }
+        return;
+    }
+    let ahead = row.ahead;
+    for (block, tile) in blocks.iter().enumerate() {
+        row.ahead = ahead.and_then(|ahead| ahead.block(block));
+        let block_rule = LogitRule {
+            first_distance: rule.first_distance - block * LANES,
+            ..rule
+        };
+        one_tile(row, *tile, scales.map(|scales| scales[block]), block_rule);
+    }
+    row.ahead = ahead;
+}
