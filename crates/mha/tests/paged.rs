@@ -271,6 +271,12 @@ fn wide_heads_and_whole_blocks_equal_decoding_alone_in_every_storage() {
                 .with_alibi(true)
                 .with_softcap(Some(1.5)),
         ),
+        // Rows that see part of a run of blocks (a window's first) and, in the prompt of 20
+        // rows below, each a different part.
+        (
+            "gqa+window 100+softcap+sinks, head_dim 32",
+            window_softcap_sinks(128, 100),
+        ),
     ] {
         let module = config.init(&device);
         // Two whole blocks and a partial one, one whole block; runs of four blocks of 16 read
@@ -287,6 +293,7 @@ fn wide_heads_and_whole_blocks_equal_decoding_alone_in_every_storage() {
                 for _ in 0..3 {
                     harness.step(&[(a, 1), (b, 1)]);
                 }
+                harness.step(&[(a, 20), (b, 1)]);
             }
         }
     }

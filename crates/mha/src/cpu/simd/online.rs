@@ -180,7 +180,8 @@ pub(crate) struct OnlineRow<'a> {
     pub maxima: &'a mut [f32],
     /// Each head's sum of `e^(logit - max)` so far.
     pub sums: &'a mut [f32],
-    /// The tile the caller attends to next, asked for while this one computes.
+    /// The tile (or run of blocks) the caller attends to next, asked for while this one
+    /// computes.
     pub ahead: Option<Ahead<'a>>,
 }
 

@@ -122,7 +122,8 @@ pub(super) enum ChunkSource {
     New { row: usize },
 }
 
-/// Positions a tile holds at most: a paged pool's block (16 by default) is one tile; a
+/// Positions a tile holds at most: a paged pool's block (16 by default) is one tile (four
+/// whole ones in a row are read as one run, [`units`]); a
 /// [`KvCache`](crate::KvCache)'s buffer, which the kernel reads as one block per sequence, is
 /// read in tiles of this many positions, so that the prefetch ahead (`sequence.rs`'s
 /// `PREFETCH_BYTES`) follows the sequence tile by tile.

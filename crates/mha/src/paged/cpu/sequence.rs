@@ -206,39 +206,92 @@ fn tile<'a>(
     }
 }
 
-/// Bytes ahead of the tile it computes (in a task's order: chunk by chunk, key/value head by
-/// key/value head within a chunk) from which a task asks the CPU for a tile's keys and values,
+/// Bytes ahead of the unit it computes (in a task's order: unit by unit, key/value head by
+/// key/value head within a unit) from which a task asks the CPU for a unit's keys and values,
 /// line by line as it computes (see [`simd::Ahead`]): a block's keys and values are a few KiB
 /// each, and the hardware prefetchers do not follow the block table from one to the next (at
 /// 32 sequences of 128-4096 positions the step took about 40% longer without).
 const PREFETCH_BYTES: usize = 16 << 10;
 
-/// How many tiles on a task asks for, tiles of `tile_bytes` keys and values:
-/// [`PREFETCH_BYTES`] ahead (two f32 tiles of 64 features by 16 positions, eight in int8), at
-/// least the next one.
-fn prefetch_distance(tile_bytes: usize) -> usize {
-    PREFETCH_BYTES.div_ceil(tile_bytes.max(1)).max(1)
+/// How many units on a task asks for, units of `unit_bytes` keys and values:
+/// [`PREFETCH_BYTES`] ahead (two f32 tiles of 64 features by 16 positions, eight in int8; one
+/// run of four such blocks in f32 or f16, two in int8), at least the next one.
+fn prefetch_distance(unit_bytes: usize) -> usize {
+    PREFETCH_BYTES.div_ceil(unit_bytes.max(1)).max(1)
 }
 
-/// The softmaxes of `task`'s rows over its positions, unfinished ([`PartialRows`]): chunk by
-/// chunk of the keys the rows see (a tile: a block, or 64 positions of a longer one, at most),
-/// every key/value head in turn within a chunk, so that a task reads each block's heads
-/// (adjacent in the pool) one after the other, and each (chunk, key/value head) tile is read
-/// by every row that sees it before the next (one [`simd::attend_tile`] per row, for the query
-/// heads that share the key/value head).
+/// A task's chunks, grouped into units, and every (chunk, key/value head) tile, made once: the
+/// prefetch ahead and the computation read the same list, unit by unit.
+struct TaskTiles<'a> {
+    chunks: Vec<Chunk>,
+    units: Vec<Unit>,
+    /// Chunk by chunk, `n_kv_heads` each.
+    tiles: Vec<Tile<'a>>,
+    n_kv_heads: usize,
+    /// Units (of key/value heads) between the one a task computes and the one it asks for.
+    distance: usize,
+}
+
+impl<'a> TaskTiles<'a> {
+    fn new(
+        views: &Views<'a>,
+        sizes: Sizes,
+        sequence: &PagedSequence,
+        positions: Range<usize>,
+    ) -> Self {
+        let Sizes {
+            n_kv_heads,
+            head_dim,
+            block_size,
+            ..
+        } = sizes;
+        let chunks: Vec<Chunk> = chunks(sequence, block_size, positions).collect();
+        let units = units(&chunks, block_size);
+        let unit_positions = if units.iter().any(Unit::is_run) {
+            RUN_BLOCKS * block_size
+        } else {
+            tile_positions(block_size)
+        };
+        let mut tiles = Vec::with_capacity(chunks.len() * n_kv_heads);
+        for chunk in &chunks {
+            tiles.extend((0..n_kv_heads).map(|kv_head| tile(views, sequence, kv_head, chunk)));
+        }
+        TaskTiles {
+            chunks,
+            units,
+            tiles,
+            n_kv_heads,
+            distance: prefetch_distance(unit_positions * 2 * head_dim * views.pool.element_bytes()),
+        }
+    }
+
+    /// Unit `index`'s keys and values of key/value head `kv_head`.
+    fn unit(&self, index: usize, kv_head: usize) -> UnitTile<'a> {
+        UnitTile::of(&self.tiles, self.n_kv_heads, &self.units[index], kv_head)
+    }
+
+    /// The (unit, key/value head) to ask for while computing unit `index`'s head `kv_head`.
+    fn ahead_of(&self, index: usize, kv_head: usize) -> Option<UnitTile<'a>> {
+        let later = index * self.n_kv_heads + kv_head + self.distance;
+        (later / self.n_kv_heads < self.units.len())
+            .then(|| self.unit(later / self.n_kv_heads, later % self.n_kv_heads))
+    }
+}
+
+/// The softmaxes of `task`'s rows over its positions, unfinished ([`PartialRows`]): unit by
+/// unit of the keys the rows see (a tile: a block, or 64 positions of a longer one, at most; or
+/// a run of four blocks of 16), every key/value head in turn within a unit, so that a task
+/// reads each block's heads (adjacent in the pool) close together, and each (unit, key/value
+/// head) is read by every row that sees it before the next (one [`simd::attend_tile`] or
+/// [`simd::attend_run`] per row, for the query heads that share the key/value head; a row that
+/// sees part of a run reads its blocks' parts one at a time).
 pub(super) fn task_softmaxes(
     views: &Views,
     sizes: Sizes,
     params: &PagedParams,
     task: &Task,
 ) -> PartialRows {
-    let Sizes {
-        n_heads,
-        n_kv_heads,
-        head_dim,
-        block_size,
-        ..
-    } = sizes;
+    let (n_heads, n_kv_heads, head_dim) = (sizes.n_heads, sizes.n_kv_heads, sizes.head_dim);
     let Task {
         sequence,
         rows,
@@ -251,33 +304,16 @@ pub(super) fn task_softmaxes(
     );
     let group = n_heads / n_kv_heads;
     let mut rows = RowStates::new(views, params, task, (n_heads, head_dim));
-    let chunk_list: Vec<Chunk> = chunks(sequence, block_size, positions.clone()).collect();
-    let unit_list = units(&chunk_list, block_size);
-    let unit_positions = if unit_list.iter().any(Unit::is_run) {
-        RUN_BLOCKS * block_size
-    } else {
-        tile_positions(block_size)
-    };
-    let distance = prefetch_distance(unit_positions * 2 * head_dim * views.pool.element_bytes());
-    // Every (chunk, key/value head) tile once, chunk by chunk: the prefetch ahead and the
-    // computation read the same list, unit by unit.
-    let mut tiles = Vec::with_capacity(chunk_list.len() * n_kv_heads);
-    for chunk in &chunk_list {
-        tiles.extend((0..n_kv_heads).map(|kv_head| tile(views, sequence, kv_head, chunk)));
-    }
-    for (index, unit) in unit_list.iter().enumerate() {
+    let task_tiles = TaskTiles::new(views, sizes, sequence, positions.clone());
+    for (index, unit) in task_tiles.units.iter().enumerate() {
         let asker = rows.asker(&unit.positions);
         for kv_head in 0..n_kv_heads {
-            // The (unit, key/value head) `distance` after this one.
-            let later = index * n_kv_heads + kv_head + distance;
-            let ahead = unit_list
-                .get(later / n_kv_heads)
-                .map(|later_unit| UnitTile::of(&tiles, n_kv_heads, later_unit, later % n_kv_heads));
+            let ahead = task_tiles.ahead_of(index, kv_head);
             if let Some(ahead) = &ahead {
                 prefetch_scales(ahead);
             }
             let mut ahead = ahead.as_ref().map(UnitTile::ahead);
-            let current = UnitTile::of(&tiles, n_kv_heads, unit, kv_head);
+            let current = task_tiles.unit(index, kv_head);
             let heads = kv_head * group..(kv_head + 1) * group;
             for row in 0..rows.visible.len() {
                 let (visible, position) = (rows.visible[row].clone(), rows.positions[row]);
@@ -302,7 +338,7 @@ pub(super) fn task_softmaxes(
                 // Part of the unit (a prompt's row, a window's first): chunk by chunk, each
                 // narrowed to what the row sees.
                 let mut ahead = ahead;
-                for chunk in &chunk_list[unit.chunks.clone()] {
+                for chunk in &task_tiles.chunks[unit.chunks.clone()] {
                     let seen = overlap(&visible, &chunk.positions);
                     if !seen.is_empty() {
                         let rule = rule(seen.start);
@@ -389,9 +425,9 @@ impl RowStates {
         }
     }
 
-    /// The row that asks for the tile ahead while it reads the chunk at `positions`: the first
+    /// The row that asks for the unit ahead while it reads the unit at `positions`: the first
     /// that sees all of it, else the last that sees part of it (a prompt's rows see their own
-    /// chunk up to themselves), since a row asks for as many positions of the tile ahead as
+    /// chunk up to themselves), since a row asks for as many positions of the unit ahead as
     /// it reads of its own.
     fn asker(&self, positions: &Range<usize>) -> usize {
         let whole = |visible: &Range<usize>| {
@@ -499,6 +535,10 @@ mod tests {
         assert_eq!(prefetch_distance(16 * 2 * 64 * 4), 2);
         assert_eq!(prefetch_distance(16 * 2 * 64 * 2), 4);
         assert_eq!(prefetch_distance(16 * 2 * 64), 8);
+        // Runs of four such blocks.
+        assert_eq!(prefetch_distance(64 * 2 * 64 * 4), 1);
+        assert_eq!(prefetch_distance(64 * 2 * 64 * 2), 1);
+        assert_eq!(prefetch_distance(64 * 2 * 64), 2);
         assert_eq!(prefetch_distance(64 << 10), 1);
         assert_eq!(prefetch_distance(0), PREFETCH_BYTES);
     }

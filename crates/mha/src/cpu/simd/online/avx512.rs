@@ -321,7 +321,7 @@ unsafe fn attend_heads<E: TileElement, const H: usize, const V: usize, const SPL
     while start < value_dim {
         let columns = (value_dim - start) / LANES;
         // SAFETY: columns `start..start + 16 · columns` of the part's value rows and of its
-        // heads' outputs are inside `tile.values` and `row.outputs`.
+        // heads' outputs are inside each vector's tile's values and `row.outputs`.
         unsafe {
             match columns {
                 1 => value_pass::<1, H, V, E>(row, vectors, part, &weights, &corrections, start),

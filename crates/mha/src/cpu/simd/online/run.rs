@@ -11,8 +11,8 @@
 use burn::tensor::f16;
 
 use super::{
-    HEADS, KeyTile, LANES, LogitRule, OnlineRow, RUN_BLOCKS, TileElement, TilePart, TileScales,
-    WIDE_LANES, attend_half_tile, attend_int8_tile, attend_tile, check_scales, checked_sizes,
+    KeyTile, LANES, LogitRule, OnlineRow, RUN_BLOCKS, TileElement, TileScales, WIDE_LANES,
+    attend_half_tile, attend_int8_tile, attend_tile, check_scales, checked_sizes,
 };
 
 /// [`attend_tile`] over the run `blocks`, position `p` of the run position `p % 16` of block
@@ -22,7 +22,7 @@ use super::{
 /// # Panics
 ///
 /// As [`attend_tile`] for each block, if a block holds other than 16 positions, or if the run
-/// does not lie before the query (`rule.first_distance` below 48).
+/// does not lie at or before the query (`rule.first_distance` below 63).
 pub(crate) fn attend_run(row: &mut OnlineRow, blocks: &[KeyTile; RUN_BLOCKS], rule: LogitRule) {
     attend_run_checked(row, blocks, None, rule, |row, tile, _, rule| {
         attend_tile(row, tile, rule)
@@ -90,24 +90,17 @@ fn attend_run_checked<E: TileElement>(
         );
     }
     assert!(
-        rule.first_distance >= WIDE_LANES - LANES,
-        "attend_run: the run's first position is {} before the query, its last would be after it",
+        rule.first_distance >= WIDE_LANES - 1,
+        "attend_run: the run's first position is {} before the query: its {WIDE_LANES} \
+         positions do not all lie at or before it",
         rule.first_distance
     );
-    let (dim, value_dim) = sizes;
-    let heads = row.maxima.len();
     #[cfg(target_arch = "x86_64")]
-    if super::avx512::takes::<E>(TilePart::wide(0, heads, dim, value_dim)) {
-        for head in (0..heads).step_by(HEADS) {
-            let part = TilePart::wide(head, heads, dim, value_dim);
-            // SAFETY: the CPU has AVX-512F (`takes` checked it); every block holds its 16
-            // positions' keys and values of the row's widths (`checked_sizes`) and, for int8,
-            // their scales (`check_scales`); the row holds whole heads, `part.heads` of them
-            // from `head`.
-            unsafe { super::avx512::attend_run_part(row, blocks, scales, &rule, part) };
-        }
+    if attend_wide(row, blocks, scales, &rule, sizes) {
         return;
     }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = sizes;
     let ahead = row.ahead;
     for (block, tile) in blocks.iter().enumerate() {
         row.ahead = ahead.and_then(|ahead| ahead.block(block));
@@ -118,4 +111,30 @@ fn attend_run_checked<E: TileElement>(
         one_tile(row, *tile, scales.map(|scales| scales[block]), block_rule);
     }
     row.ahead = ahead;
+}
+
+/// The run through the AVX-512 path, one wide part per four query heads, if it takes them
+/// (`avx512::takes`); whether it did.
+#[cfg(target_arch = "x86_64")]
+fn attend_wide<E: TileElement>(
+    row: &mut OnlineRow,
+    blocks: &[KeyTile<E>; RUN_BLOCKS],
+    scales: Option<&[TileScales; RUN_BLOCKS]>,
+    rule: &LogitRule,
+    (dim, value_dim): (usize, usize),
+) -> bool {
+    use super::{HEADS, TilePart};
+    let heads = row.maxima.len();
+    if !super::avx512::takes::<E>(TilePart::wide(0, heads, dim, value_dim)) {
+        return false;
+    }
+    for head in (0..heads).step_by(HEADS) {
+        let part = TilePart::wide(head, heads, dim, value_dim);
+        // SAFETY: the CPU has AVX-512F (`takes` checked it); every block holds its 16
+        // positions' keys and values of the row's widths (`checked_sizes`, the caller's) and,
+        // for int8, their scales (`check_scales`); the row holds whole heads, `part.heads` of
+        // them from `head`.
+        unsafe { super::avx512::attend_run_part(row, blocks, scales, rule, part) };
+    }
+    true
 }

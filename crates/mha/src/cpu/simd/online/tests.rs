@@ -443,13 +443,14 @@ fn attend_run_refuses_a_block_of_other_than_16_positions() {
 }
 
 #[test]
-#[should_panic(expected = "its last would be after it")]
+#[should_panic(expected = "do not all lie at or before it")]
 fn attend_run_refuses_a_run_that_reaches_past_the_query() {
     let mut buffers = RowBuffers::new(4, 4, 1);
     let (keys, values) = ([1.0f32; 64], [1.0f32; 64]);
     let blocks = [16; RUN_BLOCKS].map(|count| columns_tile(&keys, &values, count));
+    // The run's last position would be one after the query.
     let rule = LogitRule {
-        first_distance: 40,
+        first_distance: 62,
         ..PLAIN
     };
     attend_run(&mut buffers.row(), &blocks, rule);
