@@ -547,6 +547,7 @@ mod widen;
 pub(crate) use online::{
     Ahead, KeyTile, LogitRule, OnlineRow, RUN_BLOCK_POSITIONS, RUN_BLOCKS, TileScales,
     attend_half_run, attend_half_tile, attend_int8_run, attend_int8_tile, attend_run, attend_tile,
+    runs_read_whole,
 };
 pub(crate) use widen::{dequantize_row, widen_half};
 

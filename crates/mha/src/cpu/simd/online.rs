@@ -672,7 +672,7 @@ mod run;
 
 pub(crate) use ahead::Ahead;
 use ahead::vector_starts_line;
-pub(crate) use run::{attend_half_run, attend_int8_run, attend_run};
+pub(crate) use run::{attend_half_run, attend_int8_run, attend_run, runs_read_whole};
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;

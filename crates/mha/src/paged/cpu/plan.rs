@@ -203,10 +203,10 @@ impl Unit {
     }
 }
 
-/// `chunks` (one task's, in order) grouped into units: every [`RUN_BLOCKS`] whole stored
-/// blocks in a row a run where the pool's blocks hold [`RUN_BLOCK_POSITIONS`], each other chunk
-/// a unit of its own.
-pub(super) fn units(chunks: &[Chunk], block_size: usize) -> Vec<Unit> {
+/// `chunks` (one task's, in order) grouped into units: where `runs` (the kernel reads a run as
+/// one part, `simd::runs_read_whole`), every [`RUN_BLOCKS`] whole stored blocks in a row a run
+/// where the pool's blocks hold [`RUN_BLOCK_POSITIONS`]; each other chunk a unit of its own.
+pub(super) fn units(chunks: &[Chunk], block_size: usize, runs: bool) -> Vec<Unit> {
     let whole_block = |chunk: &Chunk| {
         matches!(chunk.source, ChunkSource::Stored { offset: 0, .. })
             && chunk.positions.len() == block_size
@@ -214,7 +214,8 @@ pub(super) fn units(chunks: &[Chunk], block_size: usize) -> Vec<Unit> {
     let mut units = Vec::with_capacity(chunks.len());
     let mut first = 0;
     while first < chunks.len() {
-        let run = block_size == RUN_BLOCK_POSITIONS
+        let run = runs
+            && block_size == RUN_BLOCK_POSITIONS
             && chunks
                 .get(first..first + RUN_BLOCKS)
                 .is_some_and(|run| run.iter().all(whole_block));
@@ -323,7 +324,7 @@ mod tests {
         // runs of four blocks, the last block's 6 positions and the new rows.
         let stored = sequence(150, 0..2, 0);
         let chunk_list: Vec<Chunk> = chunks(&stored, 16, 5..152).collect();
-        let spans: Vec<(Range<usize>, bool)> = units(&chunk_list, 16)
+        let spans: Vec<(Range<usize>, bool)> = units(&chunk_list, 16, true)
             .iter()
             .map(|unit| (unit.positions.clone(), unit.is_run()))
             .collect();
@@ -337,13 +338,23 @@ mod tests {
                 (150..152, false)
             ]
         );
-        let total: usize = units(&chunk_list, 16)
+        let total: usize = units(&chunk_list, 16, true)
             .iter()
             .map(|unit| unit.chunks.len())
             .sum();
         assert_eq!(total, chunk_list.len());
+        // A kernel that reads runs block by block gets no runs.
+        assert!(
+            units(&chunk_list, 16, false)
+                .iter()
+                .all(|unit| !unit.is_run())
+        );
         // Blocks of 32 are read as tiles of their own.
         let chunk_list: Vec<Chunk> = chunks(&stored, 32, 0..152).collect();
-        assert!(units(&chunk_list, 32).iter().all(|unit| !unit.is_run()));
+        assert!(
+            units(&chunk_list, 32, true)
+                .iter()
+                .all(|unit| !unit.is_run())
+        );
     }
 }

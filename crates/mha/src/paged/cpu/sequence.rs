@@ -246,7 +246,7 @@ impl<'a> TaskTiles<'a> {
             ..
         } = sizes;
         let chunks: Vec<Chunk> = chunks(sequence, block_size, positions).collect();
-        let units = units(&chunks, block_size);
+        let units = units(&chunks, block_size, simd::runs_read_whole(head_dim));
         let unit_positions = if units.iter().any(Unit::is_run) {
             RUN_BLOCKS * block_size
         } else {

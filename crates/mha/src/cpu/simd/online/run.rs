@@ -70,6 +70,24 @@ pub(crate) fn attend_int8_run(
     );
 }
 
+/// Whether [`attend_run`] reads a run of values `value_dim` wide as one part (the AVX-512 path,
+/// as `MHA_CPU_CAPABILITY` allows): elsewhere it reads the blocks one at a time, and a caller
+/// gains nothing by forming runs (capped to AVX2, the f32 paged step took 1.1x its time with
+/// runs read block by block).
+pub(crate) fn runs_read_whole(value_dim: usize) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use super::TilePart;
+        // The element does not matter to a wide part: its positions are whole vectors.
+        super::avx512::takes::<f32>(TilePart::wide(0, 1, 1, value_dim))
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = value_dim;
+        false
+    }
+}
+
 /// The entry points' body: the run's blocks checked, then one wide part per four query heads
 /// through the AVX-512 path where it takes them, else each block as a tile of its own through
 /// `one_tile` (the AVX2 path and the lane loops, which have no wide parts).
