@@ -25,6 +25,8 @@ pub use storage::CacheStorage;
 pub(crate) use storage::{
     Quantized, beyond_half_range, dequantize_int8, in_dtype, quantize_int8, storage_unsupported,
 };
+#[cfg(any(feature = "flex", feature = "ndarray"))]
+pub(crate) use storage::{int8_scale, int8_value};
 use stored::{EVICTION_SLACK, Layout, Side, Stored};
 pub(crate) use tiled::TILE as TILE_POSITIONS;
 use undo::{StepUndo, UndoLog};

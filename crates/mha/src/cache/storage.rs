@@ -102,6 +102,35 @@ pub(crate) fn quantize_int8(tensor: Tensor<4>) -> Quantized {
     Quantized { values, scales }
 }
 
+/// The scale [`quantize_int8`] gives a row of f32 features: its largest magnitude / 127, at
+/// least the smallest positive normal f32 (NaN if the row holds one), for the in-place
+/// writers, which quantize a row at a time.
+#[cfg(any(feature = "flex", feature = "ndarray"))]
+pub(crate) fn int8_scale(row: &[f32]) -> f32 {
+    let largest = row.iter().fold(0.0f32, |largest, &value| {
+        let magnitude = value.abs();
+        if magnitude > largest || magnitude.is_nan() {
+            magnitude
+        } else {
+            largest
+        }
+    });
+    let scale = largest / 127.0;
+    if scale < f32::MIN_POSITIVE {
+        f32::MIN_POSITIVE
+    } else {
+        scale
+    }
+}
+
+/// `value` in int8 under `scale` as [`quantize_int8`] stores it: divided, rounded half to
+/// even, clamped to ±127.
+#[cfg(any(feature = "flex", feature = "ndarray"))]
+pub(crate) fn int8_value(value: f32, scale: f32) -> i8 {
+    // The clamp keeps the cast exact (a NaN becomes 0, as the tensor cast makes it).
+    (value / scale).round_ties_even().clamp(-127.0, 127.0) as i8
+}
+
 /// `quantized` back in floats of `dtype`.
 pub(crate) fn dequantize_int8(
     values: Tensor<4, Int>,

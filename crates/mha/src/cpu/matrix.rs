@@ -21,10 +21,10 @@ pub(crate) struct Strided<'a, E = f32> {
     pub strides: [usize; 4],
 }
 
-/// A rank-4 tensor's elements for writing: element `[a, b, c, d]` at `values[a · strides[0] +
-/// b · strides[1] + c · strides[2] + d · strides[3]]`.
-pub(crate) struct StridedMut<'a> {
-    pub values: &'a mut [f32],
+/// A rank-4 tensor's elements (f32 unless said) for writing: element `[a, b, c, d]` at
+/// `values[a · strides[0] + b · strides[1] + c · strides[2] + d · strides[3]]`.
+pub(crate) struct StridedMut<'a, E = f32> {
+    pub values: &'a mut [E],
     pub strides: [usize; 4],
 }
 

@@ -30,6 +30,15 @@ pub(crate) trait CpuStorage: Backend {
     /// (copy-on-write), so that the other keeps its values.
     fn writable(tensor: &mut FloatTensor<Self>) -> Option<StridedMut<'_>>;
 
+    /// [`CpuStorage::writable`] for i8.
+    fn int8_writable(tensor: &mut IntTensor<Self>) -> Option<StridedMut<'_, i8>>;
+
+    /// [`CpuStorage::writable`] for f16; `None` where the backend has no f16 tensors (ndarray).
+    fn half_writable(tensor: &mut FloatTensor<Self>) -> Option<StridedMut<'_, f16>> {
+        let _ = tensor;
+        None
+    }
+
     /// `tensor` itself, or a copy in a layout [`CpuStorage::int8_strided`] reads, for i8.
     fn int8_readable(tensor: &IntTensor<Self>) -> Option<IntTensor<Self>>;
 
@@ -155,22 +164,15 @@ impl CpuStorage for burn::backend::Flex {
     }
 
     fn writable(tensor: &mut FloatTensor<Self>) -> Option<StridedMut<'_>> {
-        if tensor.dtype() != DType::F32 {
-            return None;
-        }
-        // A layout the kernels do not read, or one where two elements share a place (a stride
-        // of 0 on a longer axis: a broadcast), is written through a contiguous copy.
-        let shared_places = |strides: [usize; 4]| {
-            let shape = rank_4(tensor);
-            (0..4).any(|axis| strides[axis] == 0 && shape[axis] > 1)
-        };
-        if flex_strides(tensor, DType::F32).is_none_or(|(_, strides)| shared_places(strides)) {
-            *tensor = tensor.to_contiguous();
-        }
-        let (start, strides) = flex_strides(tensor, DType::F32)?;
-        // A buffer shared with another tensor is copied here (flex's copy-on-write).
-        let values = tensor.storage_mut::<f32>().get_mut(start..)?;
-        Some(StridedMut { values, strides })
+        flex_writable(tensor, DType::F32, |tensor| tensor.storage_mut::<f32>())
+    }
+
+    fn int8_writable(tensor: &mut IntTensor<Self>) -> Option<StridedMut<'_, i8>> {
+        flex_writable(tensor, DType::I8, |tensor| tensor.storage_mut::<i8>())
+    }
+
+    fn half_writable(tensor: &mut FloatTensor<Self>) -> Option<StridedMut<'_, f16>> {
+        flex_writable(tensor, DType::F16, |tensor| tensor.storage_mut::<f16>())
     }
 
     fn int8_readable(tensor: &IntTensor<Self>) -> Option<IntTensor<Self>> {
@@ -245,12 +247,56 @@ fn flex_strides(
     Some((layout.start_offset(), strides))
 }
 
+/// A flex tensor of `dtype`'s elements for writing ([`CpuStorage::writable`]), through
+/// `storage`, its elements as a mutable slice of the dtype's type.
+#[cfg(feature = "flex")]
+fn flex_writable<'t, E>(
+    tensor: &'t mut burn::backend::flex::FlexTensor,
+    dtype: DType,
+    storage: impl FnOnce(&'t mut burn::backend::flex::FlexTensor) -> &'t mut [E],
+) -> Option<StridedMut<'t, E>> {
+    if tensor.dtype() != dtype {
+        return None;
+    }
+    // A layout the kernels do not read, or one where two elements share a place (a stride
+    // of 0 on a longer axis: a broadcast), is written through a contiguous copy.
+    let shared_places = |strides: [usize; 4]| {
+        let shape = rank_4(&*tensor);
+        (0..4).any(|axis| strides[axis] == 0 && shape[axis] > 1)
+    };
+    if flex_strides(tensor, dtype).is_none_or(|(_, strides)| shared_places(strides)) {
+        *tensor = tensor.to_contiguous();
+    }
+    let (start, strides) = flex_strides(tensor, dtype)?;
+    // A buffer shared with another tensor is copied here (flex's copy-on-write).
+    let values = storage(tensor).get_mut(start..)?;
+    Some(StridedMut { values, strides })
+}
+
 /// A row-major copy of an ndarray view (of a layout the kernels do not read in place).
 #[cfg(feature = "ndarray")]
 fn standard_copy<E: Clone>(
     view: ndarray::ArrayViewD<'_, E>,
 ) -> ndarray::ArcArray<E, ndarray::IxDyn> {
     view.as_standard_layout().into_owned().into_shared()
+}
+
+/// An ndarray array's elements for writing ([`CpuStorage::writable`]), the array owned by its
+/// tensor (`ensure_owned`).
+#[cfg(feature = "ndarray")]
+fn ndarray_writable<E: Clone>(
+    array: &mut ndarray::ArcArray<E, ndarray::IxDyn>,
+) -> Option<StridedMut<'_, E>> {
+    // Unique from here on, so that the strides read below are the ones written through: a
+    // contiguous array's shared buffer is copied here (ndarray's copy-on-write), any other
+    // array is replaced by a standard-layout copy below.
+    let contiguous = array.as_slice_memory_order_mut().is_some();
+    if !contiguous || kernel_strides(array.shape(), array.strides()).is_none() {
+        *array = standard_copy(array.view());
+    }
+    let strides = kernel_strides(array.shape(), array.strides())?;
+    let values = array.as_slice_memory_order_mut()?;
+    Some(StridedMut { values, strides })
 }
 
 #[cfg(feature = "ndarray")]
@@ -280,17 +326,14 @@ impl CpuStorage for burn::backend::NdArray {
         let burn::backend::ndarray::NdArrayTensor::F32(storage) = tensor else {
             return None;
         };
-        let array = storage.ensure_owned();
-        // Unique from here on, so that the strides read below are the ones written through: a
-        // contiguous array's shared buffer is copied here (ndarray's copy-on-write), any other
-        // array is replaced by a standard-layout copy below.
-        let contiguous = array.as_slice_memory_order_mut().is_some();
-        if !contiguous || kernel_strides(array.shape(), array.strides()).is_none() {
-            *array = standard_copy(array.view());
-        }
-        let strides = kernel_strides(array.shape(), array.strides())?;
-        let values = array.as_slice_memory_order_mut()?;
-        Some(StridedMut { values, strides })
+        ndarray_writable(storage.ensure_owned())
+    }
+
+    fn int8_writable(tensor: &mut IntTensor<Self>) -> Option<StridedMut<'_, i8>> {
+        let burn::backend::ndarray::NdArrayTensor::I8(storage) = tensor else {
+            return None;
+        };
+        ndarray_writable(storage.ensure_owned())
     }
 
     fn int8_readable(tensor: &IntTensor<Self>) -> Option<IntTensor<Self>> {

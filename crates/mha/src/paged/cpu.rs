@@ -36,7 +36,7 @@ mod write;
 use merge::PartialRows;
 use plan::Task;
 use sequence::task_softmaxes;
-pub(crate) use write::{PoolWrite, Slot, native_write};
+pub(crate) use write::{Int8Blocks, PoolWrite, Slot, native_write, native_write_int8};
 
 /// One sequence of a paged step as the kernel reads it.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -14,7 +14,7 @@
 //!   attention through tensor ops on any backend;
 //! - `cpu.rs`: the attention read through the block tables in place on flex and ndarray;
 //!   `cpu/sequence.rs` walks one sequence's rows through its table, `cpu/write.rs` writes a
-//!   step's rows into a float pool in place.
+//!   step's rows into a pool in place (f32, f16, or quantized to int8).
 
 mod cache;
 #[cfg(any(feature = "flex", feature = "ndarray"))]
@@ -33,7 +33,7 @@ pub use prefix::Token;
 /// Without a CPU backend compiled in, every paged step gathers its blocks.
 #[cfg(not(any(feature = "flex", feature = "ndarray")))]
 mod cpu {
-    use burn::tensor::Tensor;
+    use burn::tensor::{Int, Tensor};
 
     use super::cache::{PagedKvCache, SequenceStep};
     use super::step::StepHeads;
@@ -49,10 +49,16 @@ mod cpu {
     }
 
     /// What `native_write` did with the pool: without a CPU backend, always declined.
-    pub(crate) enum PoolWrite {
+    pub(crate) enum PoolWrite<T = Tensor<4>> {
         #[allow(dead_code)]
-        Written(Tensor<4>),
-        Declined(Tensor<4>),
+        Written(T),
+        Declined(T),
+    }
+
+    /// An int8 pool's tensors.
+    pub(crate) struct Int8Blocks {
+        pub values: Tensor<4, Int>,
+        pub scales: Tensor<4>,
     }
 
     pub(crate) fn native_write(
@@ -61,6 +67,15 @@ mod cpu {
         _: Vec<Slot>,
         _: super::store::BlockLayout,
     ) -> PoolWrite {
+        PoolWrite::Declined(pool)
+    }
+
+    pub(crate) fn native_write_int8(
+        pool: Int8Blocks,
+        _: &Tensor<4>,
+        _: Vec<Slot>,
+        _: super::store::BlockLayout,
+    ) -> PoolWrite<Int8Blocks> {
         PoolWrite::Declined(pool)
     }
 

@@ -34,8 +34,8 @@ impl MultiHeadAttention {
     /// On flex and ndarray (an f32 module, float, f16 (flex) or int8 storage, no
     /// `add_bias_kv`/`add_zero_attn`, outside autodiff) a native kernel reads the keys and
     /// values of each sequence with at most 32 rows in the step (a decoding step, a short
-    /// continuation) through its block table in place, and a float pool takes the step's new
-    /// keys and values in place.
+    /// continuation) through its block table in place, and the pool takes the step's new keys
+    /// and values in place (converted to f16 or quantized to int8 as it stores them).
     /// Elsewhere, and for longer runs of rows (a prompt, whose many queries the matrix products
     /// of the flash kernel serve better), a sequence's blocks are gathered into a contiguous
     /// tensor with tensor ops and attended to by the kernel [`AttentionPath::Auto`] picks, one

@@ -8,7 +8,7 @@ use std::ops::Range;
 use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 
 use super::cache::{BlockTable, PagedKvCacheConfig};
-use super::cpu::{PoolWrite, Slot, native_write};
+use super::cpu::{Int8Blocks, PoolWrite, Slot, native_write, native_write_int8};
 use crate::cache::{CacheStorage, Quantized, dequantize_int8, in_dtype, quantize_int8};
 
 /// How a block lays out its positions and features.
@@ -196,27 +196,43 @@ impl BlockStore {
 
     /// The pool with every write's rows of `rows` (the step's `[1, heads, step rows, dim]`)
     /// written at its sequence's positions: in place, in one pass, where the native writer
-    /// takes the pool (f32 on flex or ndarray), else with [`BlockStore::written`] per write.
+    /// takes the pool (f32 rows on flex or ndarray, into f32, f16 or int8 blocks), else with
+    /// [`BlockStore::written`] per write.
     pub fn written_all(self, writes: &[RowsWrite], rows: &Tensor<4>) -> Self {
         let layout = self.layout;
+        let shape = match &self.data {
+            BlockData::Float { blocks } => blocks.dims(),
+            BlockData::Int8 { values, .. } => values.dims(),
+        };
+        let block_size = shape[layout.position_axis()];
+        let slots = writes
+            .iter()
+            .flat_map(|write| write.slots(block_size))
+            .collect();
         let data = match self.data {
-            BlockData::Float { blocks } => {
-                let block_size = blocks.dims()[layout.position_axis()];
-                let slots = writes
-                    .iter()
-                    .flat_map(|write| write.slots(block_size))
-                    .collect();
-                match native_write(blocks, rows, slots, layout) {
-                    PoolWrite::Written(blocks) => {
+            BlockData::Float { blocks } => match native_write(blocks, rows, slots, layout) {
+                PoolWrite::Written(blocks) => {
+                    return Self {
+                        data: BlockData::Float { blocks },
+                        layout,
+                    };
+                }
+                PoolWrite::Declined(blocks) => BlockData::Float { blocks },
+            },
+            BlockData::Int8 { values, scales } => {
+                let pool = Int8Blocks { values, scales };
+                match native_write_int8(pool, rows, slots, layout) {
+                    PoolWrite::Written(Int8Blocks { values, scales }) => {
                         return Self {
-                            data: BlockData::Float { blocks },
+                            data: BlockData::Int8 { values, scales },
                             layout,
                         };
                     }
-                    PoolWrite::Declined(blocks) => BlockData::Float { blocks },
+                    PoolWrite::Declined(Int8Blocks { values, scales }) => {
+                        BlockData::Int8 { values, scales }
+                    }
                 }
             }
-            data => data,
         };
         writes.iter().fold(Self { data, layout }, |store, write| {
             let (start, count) = (write.rows.start, write.rows.len());
