@@ -73,10 +73,14 @@ enum UnitTile<'a> {
 }
 
 impl<'a> UnitTile<'a> {
-    /// `unit`'s keys and values of key/value head `kv_head`, from `tiles` (every chunk's, chunk
-    /// by chunk, `n_kv_heads` each).
-    fn of(tiles: &[Tile<'a>], n_kv_heads: usize, unit: &Unit, kv_head: usize) -> Self {
-        let chunk_tile = |chunk: usize| tiles[chunk * n_kv_heads + kv_head];
+    /// `unit`'s keys and values of key/value head `kv_head`, from the task's `chunks`.
+    fn of(
+        (views, sequence): (&Views<'a>, &PagedSequence),
+        chunks: &[Chunk],
+        unit: &Unit,
+        kv_head: usize,
+    ) -> Self {
+        let chunk_tile = |chunk: usize| tile(views, sequence, kv_head, &chunks[chunk]);
         if unit.is_run() {
             let first = unit.chunks.start;
             UnitTile::Run(Run::of(std::array::from_fn(|block| {
@@ -220,13 +224,13 @@ fn prefetch_distance(unit_bytes: usize) -> usize {
     PREFETCH_BYTES.div_ceil(unit_bytes.max(1)).max(1)
 }
 
-/// A task's chunks, grouped into units, and every (chunk, key/value head) tile, made once: the
+/// A task's chunks, grouped into units, and every (unit, key/value head) tile, made once: the
 /// prefetch ahead and the computation read the same list, unit by unit.
 struct TaskTiles<'a> {
     chunks: Vec<Chunk>,
     units: Vec<Unit>,
-    /// Chunk by chunk, `n_kv_heads` each.
-    tiles: Vec<Tile<'a>>,
+    /// Unit by unit, `n_kv_heads` each.
+    tiles: Vec<UnitTile<'a>>,
     n_kv_heads: usize,
     /// Units (of key/value heads) between the one a task computes and the one it asks for.
     distance: usize,
@@ -252,9 +256,12 @@ impl<'a> TaskTiles<'a> {
         } else {
             tile_positions(block_size)
         };
-        let mut tiles = Vec::with_capacity(chunks.len() * n_kv_heads);
-        for chunk in &chunks {
-            tiles.extend((0..n_kv_heads).map(|kv_head| tile(views, sequence, kv_head, chunk)));
+        let mut tiles = Vec::with_capacity(units.len() * n_kv_heads);
+        for unit in &units {
+            tiles.extend(
+                (0..n_kv_heads)
+                    .map(|kv_head| UnitTile::of((views, sequence), &chunks, unit, kv_head)),
+            );
         }
         TaskTiles {
             chunks,
@@ -266,15 +273,14 @@ impl<'a> TaskTiles<'a> {
     }
 
     /// Unit `index`'s keys and values of key/value head `kv_head`.
-    fn unit(&self, index: usize, kv_head: usize) -> UnitTile<'a> {
-        UnitTile::of(&self.tiles, self.n_kv_heads, &self.units[index], kv_head)
+    fn unit(&self, index: usize, kv_head: usize) -> &UnitTile<'a> {
+        &self.tiles[index * self.n_kv_heads + kv_head]
     }
 
     /// The (unit, key/value head) to ask for while computing unit `index`'s head `kv_head`.
-    fn ahead_of(&self, index: usize, kv_head: usize) -> Option<UnitTile<'a>> {
-        let later = index * self.n_kv_heads + kv_head + self.distance;
-        (later / self.n_kv_heads < self.units.len())
-            .then(|| self.unit(later / self.n_kv_heads, later % self.n_kv_heads))
+    fn ahead_of(&self, index: usize, kv_head: usize) -> Option<&UnitTile<'a>> {
+        self.tiles
+            .get(index * self.n_kv_heads + kv_head + self.distance)
     }
 }
 
@@ -309,10 +315,10 @@ pub(super) fn task_softmaxes(
         let asker = rows.asker(&unit.positions);
         for kv_head in 0..n_kv_heads {
             let ahead = task_tiles.ahead_of(index, kv_head);
-            if let Some(ahead) = &ahead {
+            if let Some(ahead) = ahead {
                 prefetch_scales(ahead);
             }
-            let mut ahead = ahead.as_ref().map(UnitTile::ahead);
+            let mut ahead = ahead.map(UnitTile::ahead);
             let current = task_tiles.unit(index, kv_head);
             let heads = kv_head * group..(kv_head + 1) * group;
             for row in 0..rows.visible.len() {
@@ -329,7 +335,7 @@ pub(super) fn task_softmaxes(
                 };
                 if seen == unit.positions {
                     let rule = rule(seen.start);
-                    match &current {
+                    match current {
                         UnitTile::Tile(tile) => rows.attend(row, tile, heads.clone(), rule, ahead),
                         UnitTile::Run(run) => rows.attend_run(row, run, heads.clone(), rule, ahead),
                     }
