@@ -36,10 +36,12 @@ pub(in crate::flash) fn backward<B: CpuStorage>(
     let saved = [
         B::readable(output_grad)?,
         B::readable(&state.softmax_stats)?,
+        B::readable(&state.output)?,
     ];
     let rows = SavedRows {
         output_grad: B::heads_view(&saved[0])?,
         softmax_stats: B::heads_view(&saved[1])?,
+        output: B::heads_view(&saved[2])?,
     };
     let shapes = GradShapes::of(&geometry);
     let fresh = inputs.params.execution.fresh_outputs;
@@ -120,6 +122,8 @@ struct SavedRows<'a> {
     output_grad: HeadsView<'a>,
     /// `[batch, n_heads, seq_q, 2]`: maximum and inverse sum per query.
     softmax_stats: HeadsView<'a>,
+    /// The forward's output, `[batch, n_heads, seq_q, value_dim]`.
+    output: HeadsView<'a>,
 }
 
 struct GradShapes {
@@ -316,12 +320,26 @@ impl Kernel<'_> {
         // autodiff through the explicit softmax does; dO · O, summed in another order, leaves
         // a rounding residue that large inputs amplify into the weight gradients. This kernel
         // holds a query block's whole rows, so the sum costs one pass over them.
+        //
+        // dO · O still serves, as a shift c: dP_ij - D_i = (dP_ij - c) - Σ_k P_ik (dP_ik - c)
+        // when the row's P sums to 1. In a nearly saturated row (one P within an ulp of 1, the
+        // others tiny) D_i is within an ulp of its top key's dP, and dS there is the difference
+        // of two numbers of that size: summed unshifted, its rounding (an ulp of dP) outweighed
+        // the true value, a sum of the tiny P times their keys' dP differences (seen: a query
+        // gradient off by half where the explicit path was off by 3%); shifted by c, which is
+        // as close to the top key's dP, every term is of the size of the result.
+        let output = rows.output.head(*head).rows(queries.start, q_len);
         for (row, grad_row) in score_grads.chunks_exact_mut(width).enumerate() {
             let row_p = probabilities.row(row);
-            let row_dot = simd::dot(row_p, grad_row);
+            let shift = simd::dot(output_grad.row(row), output.row(row));
+            grad_row.iter_mut().for_each(|grad| *grad -= shift);
+            // The sink's dP is 0, shifted to -c.
+            let sink_p = sink_probabilities.get(row).copied().unwrap_or(0.0);
+            let row_dot = simd::dot(row_p, grad_row) - sink_p * shift;
             simd::softmax_grad(grad_row, row_p, row_dot);
             if let Some(sink_grad) = grads.sink.as_deref_mut() {
-                *sink_grad -= sink_probabilities[row] * row_dot;
+                // P_sink (dP_sink - D) with the sink's shifted dP, -c.
+                *sink_grad -= sink_p * (shift + row_dot);
             }
         }
         if self.params.softcap.is_some() {
