@@ -671,7 +671,6 @@ mod ahead;
 mod run;
 
 pub(crate) use ahead::Ahead;
-use ahead::vector_starts_line;
 pub(crate) use run::{attend_half_run, attend_int8_run, attend_run, runs_read_whole};
 
 #[cfg(target_arch = "x86_64")]

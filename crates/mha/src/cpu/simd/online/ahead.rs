@@ -91,6 +91,14 @@ impl<'a> Ahead<'a> {
         }
     }
 
+    /// Whether vector `v` of a part's positions (16 each) asks for its key lines of this tile
+    /// ([`Ahead::key_line`]): every vector where this is a run, whose blocks' feature rows are
+    /// lines of their own, else the vectors that start a line ([`vector_starts_line`]).
+    #[inline(always)]
+    pub(super) fn asks_at_vector<E>(&self, v: usize) -> bool {
+        self.run || vector_starts_line::<E>(v)
+    }
+
     /// Asks for the line of feature `feature`'s keys from position `position` on (16 positions
     /// of f32 fill a line).
     #[inline(always)]
@@ -142,7 +150,8 @@ impl<'a> Ahead<'a> {
 /// Whether vector `v` of a part's positions (16 each, from a part's first position, a whole
 /// number of lines into the tile's feature rows) starts a line of a feature's keys: every
 /// vector in f32, every other in f16, the first of four in i8. A part asks for the next tile's
-/// key lines at those vectors only, each line once.
+/// key lines at those vectors only, each line once (every vector for a run's,
+/// [`Ahead::asks_at_vector`]).
 pub(super) fn vector_starts_line<E>(v: usize) -> bool {
     (v * LANES * std::mem::size_of::<E>()).is_multiple_of(CACHE_LINE)
 }

@@ -11,7 +11,7 @@ use std::arch::x86_64::*;
 
 use super::{
     HEADS, KeyTile, LANES, LogitRule, OnlineRow, RUN_BLOCKS, TileElement, TilePart, TileScales,
-    WIDE_LANES, apply_rule, vector_starts_line,
+    WIDE_LANES, apply_rule,
 };
 
 /// Whether [`attend_part`] takes `part`: the kernels run AVX-512 (`cpu_capability`), the
@@ -103,7 +103,6 @@ pub(super) unsafe fn attend_part<E: TileElement>(
         tiles: [tile; WIDE],
         scales: [scales; WIDE],
         firsts: std::array::from_fn(|v| part.first + v * LANES),
-        run: false,
     };
     // SAFETY: the caller's; each instance computes at least `part.heads` heads, the wide ones
     // `WIDE_LANES` positions, which a part of more than 16 has; vector `v` of a wide part is
@@ -133,7 +132,6 @@ pub(super) unsafe fn attend_run_part<E: TileElement>(
         tiles: blocks.each_ref(),
         scales: std::array::from_fn(|v| scales.map(|scales| &scales[v])),
         firsts: [0; WIDE],
-        run: true,
     };
     // SAFETY: the caller's; vector `v` is block `v`'s 16 positions.
     unsafe { attend_vectors(row, &vectors, rule, part) }
@@ -146,9 +144,6 @@ struct Vectors<'t, 'a, E> {
     scales: [Option<&'t TileScales<'a>>; WIDE],
     /// Each vector's first position in its tile.
     firsts: [usize; WIDE],
-    /// Whether each vector is a block of its own (a run), so that each starts its own lines of
-    /// keys to ask for.
-    run: bool,
 }
 
 /// The part through the instance of [`attend_heads`] for its number of heads and of
@@ -228,8 +223,7 @@ unsafe fn attend_heads<E: TileElement, const H: usize, const V: usize, const SPL
                 if feature < dim {
                     let mut key = [_mm512_setzero_ps(); V];
                     for v in 0..V {
-                        let starts_line = vectors.run || vector_starts_line::<E>(v);
-                        if let Some(ahead) = ahead.as_ref().filter(|_| starts_line) {
+                        if let Some(ahead) = ahead.filter(|ahead| ahead.asks_at_vector::<E>(v)) {
                             ahead.key_line(feature, part.first + v * LANES);
                         }
                         key[v] = load(keys[v].add(feature * key_strides[v]), lanes_of(v));

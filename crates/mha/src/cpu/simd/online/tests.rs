@@ -567,7 +567,7 @@ fn requests<E>(
     let mut values = Vec::new();
     for first in (0..count).step_by(part) {
         for feature in 0..dim {
-            for v in (0..part / LANES).filter(|&v| vector_starts_line::<E>(v)) {
+            for v in (0..part / LANES).filter(|&v| ahead.asks_at_vector::<E>(v)) {
                 let (_, position) = ahead.locate(first + v * LANES);
                 keys.extend(ahead.key_offset(feature, position));
             }
@@ -678,9 +678,11 @@ fn ahead_asks_for_no_line_of_a_position_past_the_tile() {
     assert_eq!(lines, [vec![0, 2, 4, 6], vec![0, 1, 2, 3, 4]]);
 }
 
-/// A run of four blocks of 16 positions of `E` read as one wide part: position `16 b + i` of
-/// the run is position `i` of block `b`, so that the part's four vectors ask for every line of
-/// their own block, each key line once.
+/// A run of four blocks of 16 positions of `E` asked for by a wide part (64 positions), as the
+/// AVX-512 path asks ([`requests`], through [`Ahead::asks_at_vector`]): position `16 b + i` of
+/// the run is position `i` of block `b`, so that each of the part's four vectors asks for every
+/// line of its own block, each key line once, though in f16 and int8 a vector's 16 positions of
+/// a feature are part of a line (whose other positions, in a tile, the vector before asks for).
 fn each_line_of_each_block_of_a_run<E: TileElement>(zero: E) {
     let (dim, value_dim) = (8, 16);
     let keys = vec![zero; dim * LANES];
@@ -693,35 +695,38 @@ fn each_line_of_each_block_of_a_run<E: TileElement>(zero: E) {
         count: LANES,
     };
     let ahead = Ahead::of_run(&[block; RUN_BLOCKS]);
-    let lines = |bytes: usize| (0..bytes.div_ceil(CACHE_LINE)).collect::<Vec<_>>();
     for b in 0..RUN_BLOCKS {
-        let mut key_lines = Vec::new();
-        let mut value_lines = Vec::new();
-        for feature in 0..dim {
-            let (block, position) = ahead.locate(b * LANES);
-            assert_eq!(block, b, "position {} of the run", b * LANES);
-            key_lines.extend(ahead.key_offset(feature, position));
-        }
-        for lane in 0..LANES {
-            let (block, position) = ahead.locate(b * LANES + lane);
-            assert_eq!(block, b, "position {} of the run", b * LANES + lane);
-            value_lines.extend(ahead.value_lines(position, value_dim));
-        }
-        let [key_lines, mut value_lines]: [Vec<usize>; 2] = [key_lines, value_lines]
-            .map(|offsets| offsets.iter().map(|offset| offset / CACHE_LINE).collect());
-        // An f16 or int8 value row is part of a line, asked for by each position in it.
-        value_lines.dedup();
         assert_eq!(
-            key_lines,
-            lines(std::mem::size_of_val(keys.as_slice())),
-            "block {b}'s keys"
-        );
-        assert_eq!(
-            value_lines,
-            lines(std::mem::size_of_val(values.as_slice())),
-            "block {b}'s values"
+            ahead.locate(b * LANES + 3),
+            (b, 3),
+            "position {} of the run",
+            b * LANES + 3
         );
     }
+    // Every block's lines, each block's offsets from its own start.
+    let every_block = |bytes: usize| {
+        let mut lines: Vec<usize> = (0..bytes.div_ceil(CACHE_LINE))
+            .flat_map(|line| [line; RUN_BLOCKS])
+            .collect();
+        lines.sort_unstable();
+        lines
+    };
+    let [key_lines, value_lines] =
+        requests::<E>(&ahead, dim, value_dim, RUN_BLOCKS * LANES, WIDE_LANES);
+    assert_eq!(
+        key_lines,
+        every_block(std::mem::size_of_val(keys.as_slice())),
+        "the blocks' keys"
+    );
+    // An f16 or int8 value row is part of a line, asked for by each position in it.
+    let row_bytes = value_dim * std::mem::size_of::<E>();
+    let rows_per_line = (CACHE_LINE / row_bytes).max(1);
+    let each_once: Vec<usize> = value_lines.iter().step_by(rows_per_line).copied().collect();
+    assert_eq!(
+        each_once,
+        every_block(std::mem::size_of_val(values.as_slice())),
+        "the blocks' values"
+    );
 }
 
 #[test]
