@@ -35,6 +35,7 @@ use undo::{StepUndo, UndoLog};
 /// ([`KvCache::in_place_buffers`]): a paged pool's blocks of [`TILE_POSITIONS`] positions, tile
 /// `t` of batch element `b` in block `t · batch + b`, every position of their capacity, of
 /// which `stored` after the first `evicted` are the cache's.
+#[cfg_attr(not(any(feature = "flex", feature = "ndarray")), allow(dead_code))]
 pub(crate) struct CompressedCache<'a> {
     /// f16 or int8, feature-major: `[tiles · batch, n_kv_heads, head_dim, TILE_POSITIONS]` (an
     /// int8 cache's scales `[tiles · batch, n_kv_heads, 1, TILE_POSITIONS]`).
@@ -51,6 +52,7 @@ pub(crate) struct CompressedCache<'a> {
 
 impl CompressedCache<'_> {
     /// The blocks holding batch element `element`'s positions (evicted, then stored), in order.
+    #[cfg_attr(not(any(feature = "flex", feature = "ndarray")), allow(dead_code))]
     pub fn blocks_of(&self, element: usize) -> Vec<usize> {
         (0..(self.evicted + self.stored).div_ceil(TILE_POSITIONS))
             .map(|tile| tile * self.batch + element)

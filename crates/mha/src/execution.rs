@@ -62,6 +62,7 @@ pub(crate) enum FreshOutputs {
     Unspecified,
     /// NaN in every element, and never a reused buffer: an element a kernel forgets to write
     /// shows in its result.
+    #[cfg_attr(not(any(feature = "flex", feature = "ndarray")), allow(dead_code))]
     Nan,
 }
 
@@ -92,6 +93,7 @@ pub(crate) enum Pass {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Ran {
     /// The native kernel on CPU storage.
+    #[cfg_attr(not(any(feature = "flex", feature = "ndarray")), allow(dead_code))]
     Cpu,
     /// The native CubeCL kernels.
     // Made by the CubeCL kernels only, compiled with a GPU backend's feature.

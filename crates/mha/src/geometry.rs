@@ -69,6 +69,7 @@ impl Geometry {
     }
 
     /// The key/value head that query head `head` reads (PyTorch's `repeat_interleave` order).
+    #[cfg_attr(not(any(feature = "flex", feature = "ndarray")), allow(dead_code))]
     pub fn kv_head(&self, head: usize) -> usize {
         head / self.groups()
     }

@@ -411,6 +411,7 @@ pub(crate) struct Rotation {
 
 impl Rotation {
     /// The rotation by the opposite angles.
+    #[cfg_attr(not(any(feature = "flex", feature = "ndarray")), allow(dead_code))]
     pub fn inverted(self) -> Self {
         Self {
             inverse: !self.inverse,

@@ -185,6 +185,7 @@ impl ScoreRules {
     /// Query `query`'s visible positional keys as one range, when they form one (no pinned
     /// key is visible apart from it, and segments are sorted); the appended keys are visible
     /// besides. `None` when the visible keys must be told one by one ([`Self::visible`]).
+    #[cfg_attr(not(any(feature = "flex", feature = "ndarray")), allow(dead_code))]
     pub fn contiguous_range(&self, batch: usize, query: usize) -> Option<Range<usize>> {
         if self.pinned_keys > 0 && self.window.is_some() {
             return None;
@@ -268,6 +269,7 @@ impl ScoreRules {
     /// run's first key)`, the pinned keys' run then the others'; appended keys are in neither.
     /// The ALiBi bias of key `k` of a run is then `-slope · |distance - (k - run.start)|`, what
     /// [`Self::bias`] gives, as one vectorised pass per run.
+    #[cfg_attr(not(any(feature = "flex", feature = "ndarray")), allow(dead_code))]
     pub fn distance_runs(&self, query: usize, keys: &Range<usize>) -> [(Range<usize>, i64); 2] {
         let positional_end = keys.end.min(self.positional_keys).max(keys.start);
         let pinned_end = self.pinned_keys.clamp(keys.start, positional_end);

@@ -9,7 +9,7 @@ use super::storage::{CacheStorage, Quantized, dequantize_int8, in_dtype, quantiz
 use super::tiled::{TILE, Within, grown, tiled, tiles_for, untiled, written};
 #[cfg(any(feature = "flex", feature = "ndarray"))]
 use super::widen;
-use crate::cpu::storage::native_storage;
+use crate::cpu::native_storage;
 use crate::paged::{BlockTensor, StoredBlocks};
 
 /// Stored keys or values, `[batch, heads, capacity, dim]` (or, [`Layout::Tiles`], a paged

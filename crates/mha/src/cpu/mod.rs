@@ -40,6 +40,15 @@ pub(crate) use gelu::{GeluKind, native_gelu};
 pub(crate) use linear::{native_linear, native_packed_linear};
 #[cfg(any(feature = "flex", feature = "ndarray"))]
 pub(crate) use rotary::native_rotation;
+#[cfg(any(feature = "flex", feature = "ndarray"))]
+pub(crate) use storage::native_storage;
+
+/// Without a CPU backend compiled in, no device stores its tensors where the native kernels
+/// read them.
+#[cfg(not(any(feature = "flex", feature = "ndarray")))]
+pub(crate) fn native_storage(_: &burn::tensor::Device) -> bool {
+    false
+}
 
 /// Without a CPU backend compiled in, no projection runs natively: `Linear::forward` it is.
 #[cfg(not(any(feature = "flex", feature = "ndarray")))]
