@@ -127,7 +127,8 @@ pub(crate) fn int8_scale(row: &[f32]) -> f32 {
 /// even, clamped to ±127.
 #[cfg(any(feature = "flex", feature = "ndarray"))]
 pub(crate) fn int8_value(value: f32, scale: f32) -> i8 {
-    // The clamp keeps the cast exact (a NaN becomes 0, as the tensor cast makes it).
+    // The clamp keeps the cast exact; a NaN becomes 0, as flex's tensor cast makes it (ndarray's
+    // refuses a NaN), beside a NaN scale.
     (value / scale).round_ties_even().clamp(-127.0, 127.0) as i8
 }
 

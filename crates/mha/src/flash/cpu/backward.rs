@@ -334,7 +334,7 @@ impl Kernel<'_> {
             let shift = simd::dot(output_grad.row(row), output.row(row));
             grad_row.iter_mut().for_each(|grad| *grad -= shift);
             // The sink's dP is 0, shifted to -c.
-            let sink_p = sink_probabilities.get(row).copied().unwrap_or(0.0);
+            let sink_p = sink_probabilities[row];
             let row_dot = simd::dot(row_p, grad_row) - sink_p * shift;
             simd::softmax_grad(grad_row, row_p, row_dot);
             if let Some(sink_grad) = grads.sink.as_deref_mut() {

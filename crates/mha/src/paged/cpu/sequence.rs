@@ -63,8 +63,8 @@ impl<'a> Run<'a> {
     }
 }
 
-/// What the kernel reads as one for one key/value head: a tile or a run of blocks (made on the
-/// stack from the task's tiles where it is read, one or two at a time).
+/// What the kernel reads as one for one key/value head: a tile or a run of blocks (made once
+/// per task, in [`TaskTiles`]).
 #[allow(clippy::large_enum_variant)]
 #[derive(Clone, Copy)]
 enum UnitTile<'a> {

@@ -168,7 +168,8 @@ pub(crate) fn native_write_int8(
     layout: BlockLayout,
 ) -> PoolWrite<Int8Blocks> {
     let device = pool.values.device();
-    if !(pool.scales.dtype() == DType::F32 && writes_natively(&device, rows)) {
+    let takes_pool = pool.values.dtype() == DType::I8 && pool.scales.dtype() == DType::F32;
+    if !(takes_pool && writes_natively(&device, rows)) {
         return PoolWrite::Declined(pool);
     }
     let params = WriteParams {

@@ -237,6 +237,45 @@ fn an_int8_pool_takes_the_rows_as_quantize_int8_stores_them() {
     }
 }
 
+/// Rows flex's tensor ops quantize without a panic whatever they hold: a NaN (0 beside a NaN
+/// scale), infinities (an infinite scale: every value 0, the infinities NaN over it, so 0) and
+/// signed zeros (the smallest scale). ndarray's cast refuses a NaN, so flex alone.
+#[test]
+fn special_rows_quantize_as_flex_s_tensor_ops_quantize_them() {
+    let values = vec![
+        f32::NAN,
+        1.0,
+        -2.0, //
+        f32::INFINITY,
+        1.0,
+        f32::NEG_INFINITY, //
+        -0.0,
+        0.0,
+        -0.0,
+    ];
+    let rows = Tensor::<4>::from_data(
+        TensorData::new(values.clone(), [1, 1, 3, 3]),
+        &Device::flex(),
+    );
+    let Quantized {
+        values: quantized,
+        scales,
+    } = quantize_int8(rows);
+    let quantized: Vec<i64> = quantized.into_data().convert::<i64>().to_vec().unwrap();
+    let scales = elements(scales);
+    for (index, row) in values.chunks(3).enumerate() {
+        let scale = int8_scale(row);
+        assert!(
+            scale.to_bits() == scales[index].to_bits()
+                || (scale.is_nan() && scales[index].is_nan()),
+            "row {index}: scale {scale} against {}",
+            scales[index]
+        );
+        let row_values: Vec<i64> = row.iter().map(|&x| int8_value(x, scale) as i64).collect();
+        assert_eq!(row_values, quantized[index * 3..][..3], "row {index}");
+    }
+}
+
 #[test]
 fn halves_round_to_even_as_the_tensor_ops_round_them() {
     let rows = rows_with_halves(&Device::flex());
