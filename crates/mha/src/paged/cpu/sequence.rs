@@ -335,10 +335,7 @@ pub(super) fn task_softmaxes(
                 };
                 if seen == unit.positions {
                     let rule = rule(seen.start);
-                    match current {
-                        UnitTile::Tile(tile) => rows.attend(row, tile, heads.clone(), rule, ahead),
-                        UnitTile::Run(run) => rows.attend_run(row, run, heads.clone(), rule, ahead),
-                    }
+                    rows.attend(row, current, heads.clone(), rule, ahead);
                     continue;
                 }
                 // Part of the unit (a prompt's row, a window's first): chunk by chunk, each
@@ -349,7 +346,13 @@ pub(super) fn task_softmaxes(
                     if !seen.is_empty() {
                         let rule = rule(seen.start);
                         let narrowed = tile(views, sequence, kv_head, &chunk.narrowed(seen));
-                        rows.attend(row, &narrowed, heads.clone(), rule, ahead.take());
+                        rows.attend(
+                            row,
+                            &UnitTile::Tile(narrowed),
+                            heads.clone(),
+                            rule,
+                            ahead.take(),
+                        );
                     }
                 }
             }
@@ -467,38 +470,28 @@ impl RowStates {
         }
     }
 
-    /// Adds `tile`'s positions to row `row`'s softmax of query heads `heads` (those sharing the
-    /// tile's key/value head), asking for `ahead` as it goes.
+    /// Adds `unit`'s positions to row `row`'s softmax of query heads `heads` (those sharing the
+    /// unit's key/value head), asking for `ahead` as it goes; a run the row sees whole.
     fn attend(
         &mut self,
         row: usize,
-        tile: &Tile,
+        unit: &UnitTile,
         heads: Range<usize>,
         rule: simd::LogitRule,
         ahead: Option<simd::Ahead>,
     ) {
         let mut online = self.online_row(row, heads, ahead);
-        match *tile {
-            Tile::Float(tile) => simd::attend_tile(&mut online, tile, rule),
-            Tile::Half(tile) => simd::attend_half_tile(&mut online, tile, rule),
-            Tile::Int8(tile, scales) => simd::attend_int8_tile(&mut online, tile, scales, rule),
-        }
-    }
-
-    /// [`attend`](Self::attend) over a run of blocks, which the row sees whole.
-    fn attend_run(
-        &mut self,
-        row: usize,
-        run: &Run,
-        heads: Range<usize>,
-        rule: simd::LogitRule,
-        ahead: Option<simd::Ahead>,
-    ) {
-        let mut online = self.online_row(row, heads, ahead);
-        match run {
-            Run::Float(blocks) => simd::attend_run(&mut online, blocks, rule),
-            Run::Half(blocks) => simd::attend_half_run(&mut online, blocks, rule),
-            Run::Int8(blocks, scales) => simd::attend_int8_run(&mut online, blocks, scales, rule),
+        match unit {
+            UnitTile::Tile(Tile::Float(tile)) => simd::attend_tile(&mut online, *tile, rule),
+            UnitTile::Tile(Tile::Half(tile)) => simd::attend_half_tile(&mut online, *tile, rule),
+            UnitTile::Tile(Tile::Int8(tile, scales)) => {
+                simd::attend_int8_tile(&mut online, *tile, *scales, rule)
+            }
+            UnitTile::Run(Run::Float(blocks)) => simd::attend_run(&mut online, blocks, rule),
+            UnitTile::Run(Run::Half(blocks)) => simd::attend_half_run(&mut online, blocks, rule),
+            UnitTile::Run(Run::Int8(blocks, scales)) => {
+                simd::attend_int8_run(&mut online, blocks, scales, rule)
+            }
         }
     }
 

@@ -118,18 +118,6 @@ fn writes_natively(device: &burn::tensor::Device, rows: &Tensor<4>) -> bool {
     native_storage(device) && !device.is_autodiff() && rows.dtype() == DType::F32
 }
 
-/// Whether `device` is flex's, the CPU backend with f16 tensors (ndarray refuses
-/// [`CacheStorage::Half`](crate::CacheStorage::Half)).
-fn has_half_tensors(device: &burn::tensor::Device) -> bool {
-    #[cfg(feature = "flex")]
-    return matches!(device.as_dispatch(), burn::backend::DispatchDevice::Flex(_));
-    #[cfg(not(feature = "flex"))]
-    {
-        let _ = device;
-        false
-    }
-}
-
 /// `pool` with `rows` written at `slots` in place, where the rows are f32 and the pool f32 (or
 /// f16 on flex), on flex or ndarray outside autodiff; declined elsewhere.
 pub(crate) fn native_write(
@@ -141,7 +129,8 @@ pub(crate) fn native_write(
     let device = pool.device();
     let takes_pool = match pool.dtype() {
         DType::F32 => true,
-        DType::F16 => has_half_tensors(&device),
+        // flex's; ndarray has no f16 tensors (it refuses `CacheStorage::Half`).
+        DType::F16 => device.supports_dtype(DType::F16),
         _ => false,
     };
     if !(takes_pool && writes_natively(&device, rows)) {
