@@ -542,8 +542,10 @@ pub(crate) fn prefetch_line(address: *const u8) {
     };
 }
 
+mod key_dots;
 mod online;
 mod widen;
+pub(crate) use key_dots::{key_dots, takes as key_dots_take};
 pub(crate) use online::{
     Ahead, KeyTile, LogitRule, OnlineRow, RUN_BLOCK_POSITIONS, RUN_BLOCKS, TileScales,
     attend_half_run, attend_half_tile, attend_int8_run, attend_int8_tile, attend_run, attend_tile,

@@ -3,7 +3,7 @@
 
 use std::ops::Range;
 
-use super::scores::ScoreBlock;
+use super::scores::{self, ScoreBlock};
 use super::{Kernel, Readable, weights};
 use crate::cpu::matrix::{
     HeadIndex, Matrix, MatrixMut, Write, for_each_task, gemm, grown, sequence_major_heads,
@@ -105,6 +105,15 @@ struct ForwardScratch {
 struct BlockScratch {
     scores: Vec<f32>,
     inverse_sums: Vec<f32>,
+}
+
+/// Whether a block's `scale · Q Kᵀ` is already in its scratch ([`Kernel::group_dots`]).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Dots {
+    /// [`Kernel::block_probabilities`] computes them.
+    Wanted,
+    /// In `BlockScratch::scores`, before the soft cap, biases and masks.
+    Computed,
 }
 
 impl Kernel<'_> {
@@ -211,7 +220,7 @@ impl Kernel<'_> {
         outputs: HeadOutputs,
     ) {
         let HeadOutputs { rows, output } = outputs;
-        if !self.block_probabilities(scratch, block, rows) {
+        if !self.block_probabilities(scratch, block, rows, Dots::Wanted) {
             output.fill(0.0);
             return;
         }
@@ -239,6 +248,7 @@ impl Kernel<'_> {
         scratch: &mut BlockScratch,
         block: &ScoreBlock,
         rows: HeadRows,
+        dots: Dots,
     ) -> bool {
         let HeadRows { stats, weights } = rows;
         let sink = self.sinks.map(|sinks| sinks[block.head.head]);
@@ -260,7 +270,14 @@ impl Kernel<'_> {
             scores,
             inverse_sums,
         } = scratch;
-        let scores = self.score_block(scores, None, block);
+        let scores = match dots {
+            Dots::Wanted => self.score_block(scores, None, block),
+            Dots::Computed => {
+                let scores = &mut scores[..block.queries.len() * width];
+                self.finish_scores(scores, None, block);
+                scores
+            }
+        };
         inverse_sums.clear();
         for (row_scores, row_stats) in scores
             .chunks_exact_mut(width)
@@ -279,6 +296,53 @@ impl Kernel<'_> {
             weights::write_block(weights, self.geometry.seq_k, numerators);
         }
         true
+    }
+
+    /// The `scale · Q Kᵀ` of query block `queries` of every query head of key/value head
+    /// `kv_head` over `keys`, one head's in each of `blocks`, in one pass over the keys where
+    /// each head's would read them in place ([`scores::key_rows`]: a decoding step): the keys
+    /// are then read from memory once for the group, not once per query head. Each score is
+    /// the one the head's own [`Kernel::score_block`] computes, to the bit (the backward's).
+    /// [`Dots::Wanted`] where the heads read their keys otherwise.
+    fn group_dots(
+        &self,
+        blocks: &mut [BlockScratch],
+        kv_head: HeadIndex,
+        queries: &Range<usize>,
+        keys: &Range<usize>,
+        key_t: Matrix,
+    ) -> Dots {
+        let (groups, rows, width) = (blocks.len(), queries.len(), keys.len());
+        let head_queries = |group_index: usize| {
+            let head = HeadIndex {
+                batch: kv_head.batch,
+                head: kv_head.head * groups + group_index,
+            };
+            self.query.head(head).rows(queries.start, rows)
+        };
+        let key_block = key_t.columns(keys.start, width);
+        let Some(key_rows) = scores::key_rows(head_queries(0), key_block) else {
+            return Dots::Wanted;
+        };
+        let query_rows: Vec<&[f32]> = (0..groups)
+            .flat_map(|group_index| {
+                let head = head_queries(group_index);
+                (0..rows).map(move |row| head.row(row))
+            })
+            .collect();
+        let mut score_rows: Vec<&mut [f32]> = blocks
+            .iter_mut()
+            .flat_map(|block| grown(&mut block.scores, rows * width).chunks_exact_mut(width))
+            .collect();
+        simd::key_dots(
+            &mut score_rows,
+            &query_rows,
+            key_rows.values,
+            key_rows.row_stride,
+            width,
+            self.params.scale as f32,
+        );
+        Dots::Computed
     }
 
     /// Writes the outputs of key/value head `kv_head`'s query heads (`heads`, in order), query
@@ -311,6 +375,7 @@ impl Kernel<'_> {
         group_blocks.resize_with(groups, BlockScratch::default);
         for queries in self.query_blocks() {
             let keys = self.key_range(kv_head.batch, &queries);
+            let dots = self.group_dots(group_blocks, kv_head, &queries, &keys, key_t);
             for (group_index, (head, block_scratch)) in
                 heads.iter_mut().zip(group_blocks.iter_mut()).enumerate()
             {
@@ -330,7 +395,7 @@ impl Kernel<'_> {
                     keys: keys.clone(),
                     key_t,
                 };
-                self.block_probabilities(block_scratch, &block, rows);
+                self.block_probabilities(block_scratch, &block, rows, dots);
             }
             let values = value.rows(keys.start, keys.len());
             write_group_block(
