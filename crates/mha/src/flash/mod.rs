@@ -68,10 +68,18 @@ pub(crate) trait FlashAttentionBackend: Backend {
     ///   a constant (it gets no gradient)
     /// - sinks: `[n_heads]`, one more logit per head in every softmax's denominator
     /// - output: `[batch, n_heads, seq_q, value_dim]`; a query with no allowed key outputs zeros
-    // Without a backend feature the macro's dispatch function has no arm that passes
-    // `params` on.
+    // Without a backend feature (the macro's arms' conditions) its dispatch function has no
+    // arm that passes `params` on.
     #[cfg_attr(
-        not(any(feature = "flex", feature = "ndarray", feature = "cube")),
+        not(any(
+            feature = "flex",
+            feature = "ndarray",
+            feature = "wgpu",
+            feature = "vulkan",
+            feature = "metal",
+            feature = "cuda",
+            feature = "rocm"
+        )),
         allow(unused_variables)
     )]
     fn flash_attention(
@@ -98,10 +106,18 @@ pub(crate) trait FlashAttentionBackend: Backend {
     /// # Panics
     ///
     /// On an autodiff backend, if an input is tracked.
-    // Without a backend feature the macro's dispatch function has no arm that passes
-    // `params` on.
+    // Without a backend feature (the macro's arms' conditions) its dispatch function has no
+    // arm that passes `params` on.
     #[cfg_attr(
-        not(any(feature = "flex", feature = "ndarray", feature = "cube")),
+        not(any(
+            feature = "flex",
+            feature = "ndarray",
+            feature = "wgpu",
+            feature = "vulkan",
+            feature = "metal",
+            feature = "cuda",
+            feature = "rocm"
+        )),
         allow(unused_variables)
     )]
     fn flash_attention_weights(

@@ -31,7 +31,8 @@ pub(crate) fn takes(dim: usize) -> bool {
 /// # Panics
 ///
 /// If [`takes`] does not take `dim` (the rows' length), the rows differ in length, `outputs`
-/// is not a row of `count` scores per query row, or `keys` holds fewer than `count` keys.
+/// is not a row of `count` scores per query row, or `keys` holds fewer than `count` keys of
+/// `dim` features `key_stride` apart.
 pub(crate) fn key_dots(
     outputs: &mut [&mut [f32]],
     queries: &[&[f32]],
@@ -52,7 +53,9 @@ pub(crate) fn key_dots(
         queries.len()
     );
     assert!(
-        count == 0 || (key_stride >= dim && (count - 1) * key_stride + dim <= keys.len()),
+        // Any stride, even one that overlaps the keys (a tensor's axis of length 1 has stride 1,
+        // a broadcast one 0): every key's `dim` features are read from its start.
+        count == 0 || (count - 1) * key_stride + dim <= keys.len(),
         "key_dots: {count} keys of {dim} features (stride {key_stride}) in {} values",
         keys.len()
     );
@@ -77,7 +80,10 @@ pub(crate) fn key_dots(
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
-    unreachable!("`takes` declines every CPU but x86's");
+    {
+        let _ = scale;
+        unreachable!("`takes` declines every CPU but x86's");
+    }
 }
 
 /// A vector of f32 lanes as wide as a block of `KEYS` keys: lane `j` of a block's scores is
@@ -207,7 +213,8 @@ mod avx512 {
         }
 
         /// Pairs of vectors interleaved and added, then pairs of pairs, then the 128-bit lanes
-        /// across: 15 shuffles and adds where a horizontal sum per vector takes 8; each
+        /// across: 30 shuffles and 15 adds for 16 vectors, where a horizontal sum takes 8
+        /// instructions per vector; each
         /// vector's lanes added as `(l₀ + l₂) + (l₁ + l₃)` in each 128-bit lane, then
         /// `(L₀ + L₁) + (L₂ + L₃)`.
         #[inline(always)]
@@ -432,6 +439,34 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn one_key_at_a_stride_of_one_or_none_is_read_whole() {
+        // A tensor's axis of length 1 gets stride 1 (flex), a broadcast one 0: the key's
+        // features still lie from its start.
+        if cpu_capability() == CpuCapability::Default {
+            return;
+        }
+        let key = values(64, 17);
+        let query_values = values(2 * 64, 19);
+        let queries: Vec<&[f32]> = query_values.chunks_exact(64).collect();
+        let expected = reference(&queries, &key, 64, 1, 0.5);
+        for stride in [1, 0] {
+            let mut outputs = [0.0f32; 2];
+            let mut output_rows: Vec<&mut [f32]> = outputs.chunks_mut(1).collect();
+            key_dots(&mut output_rows, &queries, &key, stride, 1, 0.5);
+            for (&got, &want) in outputs.iter().zip(&expected) {
+                assert!(
+                    (got as f64 - want).abs() <= 1e-5 * (1.0 + want.abs()),
+                    "stride {stride}"
+                );
+            }
+        }
+        // Three keys at stride 0: the one key three times.
+        let mut outputs = [0.0f32; 3];
+        key_dots(&mut [&mut outputs], &queries[..1], &key, 0, 3, 0.5);
+        assert!(outputs.iter().all(|&score| score == outputs[0]));
     }
 
     #[test]

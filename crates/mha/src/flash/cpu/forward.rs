@@ -349,8 +349,9 @@ impl Kernel<'_> {
     /// block by query block: each head's scores and probabilities as
     /// [`Kernel::forward_query_block`] finds them, then `P V` for all of them in one pass over
     /// the value rows ([`simd::weighted_row_sums`]), where a product per head would read them
-    /// once per query head. The scores go through the same code as the backward's, which
-    /// recomputes them head by head; only the output's summation order differs.
+    /// once per query head. The scores equal, to the bit, those the backward recomputes head
+    /// by head (where the group's heads share a pass over the keys, [`Kernel::group_dots`]);
+    /// only the output's summation order differs.
     fn forward_group(
         &self,
         scratch: &mut ForwardScratch,

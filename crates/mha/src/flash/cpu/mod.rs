@@ -1,6 +1,7 @@
 //! The flash op on the f32 storage of the CPU backends (flex, ndarray): the computation of
 //! `generic.rs`, with the matmuls handed to the `gemm` crate (flex's own GEMM) on strided views
-//! (no transposed or head-split copies), the scale folded into the score GEMM, a vectorised
+//! (no transposed or head-split copies), the scale folded into the score GEMM (a decoding
+//! step's few query rows: `simd::key_dots` on the keys where they lie), a vectorised
 //! `exp`, keys past a query block's causal horizon never computed, results written
 //! sequence-major (the layout the head merge reads without a copy), and every intermediate in
 //! one reused per-thread buffer instead of fresh tensors.

@@ -19,9 +19,11 @@ pub(super) struct ScoreBlock<'k> {
 
 /// The most query rows a score block computes against the keys read row by row where they
 /// lie ([`simd::key_dots`]) rather than through `gemm`: a decoding step's (one query per head)
-/// and short continuations. Steps of a `KvCache` at 16384 positions (d_model 512, 8 query / 2
-/// key-value heads, Intel Xeon, 2 cores) took 0.4-0.7x `gemm`'s time with one and two rows per
-/// head, 0.6-0.8x with four and eight; from 12 rows on the two were within noise.
+/// and short continuations. Steps of a `KvCache` of 1, 2, 4 and 8 rows at 16384 positions
+/// (d_model 512, 8 query / 2 key-value heads, Intel Xeon, 2 cores; a loop of 100-300
+/// `forward_cached` steps, docs/performance-notes.md) took 0.5-0.7x, 0.4-0.5x, 0.6-0.75x and
+/// 0.6-0.8x `gemm`'s time, the group's heads reading the keys together; from 12 rows on the
+/// two were within noise.
 const FEW_QUERY_ROWS: usize = 8;
 
 impl Kernel<'_> {

@@ -90,6 +90,74 @@ fn grouped_query_heads_sharing_one_pass_over_wide_values_equal_the_explicit_path
     }
 }
 
+/// Calls over one key (whose head has stride 1 along its length-1 axis) at head widths that
+/// the CPU's in-place score path takes (16, 64): one or three queries per head, grouped and
+/// not, plain, causal with sinks (the earlier queries see no key) and soft-capped, the
+/// explicit path's outputs and gradients.
+#[test]
+fn calls_over_one_key_equal_the_explicit_path() {
+    let dropout = DropoutConfig::new(0.0).init();
+    let (batch, n_heads) = (2, 4);
+    for device in cpu_devices() {
+        let device = device.autodiff();
+        device.seed(36);
+        for (n_kv_heads, head_dim, seq_q) in [(2, 64, 1), (4, 16, 3), (1, 64, 3)] {
+            let query = normal([batch, n_heads, seq_q, head_dim], &device);
+            let key = normal([batch, n_kv_heads, 1, head_dim], &device);
+            let value = normal([batch, n_kv_heads, 1, head_dim], &device);
+            let sinks = normal([n_heads], &device);
+            let heads = [&query, &key, &value];
+            let causal = ScoreMasks {
+                rules: ScoreRules {
+                    query_start: 1 - seq_q as i64,
+                    causal: true,
+                    ..ScoreRules::none(1)
+                },
+                ..ScoreMasks::none(1)
+            };
+            let one_key_cases = [
+                Case {
+                    label: "none",
+                    masks: ScoreMasks::none(1),
+                    softcap: None,
+                    sinks: false,
+                },
+                // The earlier queries see no key.
+                Case {
+                    label: "causal, sinks",
+                    masks: causal,
+                    softcap: None,
+                    sinks: true,
+                },
+                Case {
+                    label: "soft cap",
+                    masks: ScoreMasks::none(1),
+                    softcap: Some(5.0),
+                    sinks: false,
+                },
+            ];
+            for case in one_key_cases {
+                let sinks = case.sinks.then_some(&sinks);
+                let expected = outputs_and_grads(heads, sinks, |q, k, v, s| {
+                    explicit_attention(q, k, v, &case.masks, &options(&case, s), &dropout).0
+                });
+                let native = BodyRun::new("native", Body::Native, Ran::Cpu);
+                let actual = outputs_and_grads(heads, sinks, |q, k, v, s| {
+                    let options = options(&case, s);
+                    let blocks = BlockSizes::default();
+                    flash_attention(q, k, v, &case.masks, &options, blocks, &native.execution)
+                });
+                let label = format!(
+                    "{} {n_kv_heads} kv heads of {head_dim}, {seq_q} queries",
+                    case.label
+                );
+                native.assert_ran(&label);
+                assert_outputs_and_grads_close(actual, &expected, 2e-5, &label);
+            }
+        }
+    }
+}
+
 /// A decoding step under grouped-query attention with a saturated softmax (query rows
 /// whose weights are one-hot): the backward recomputes the probabilities the forward found
 /// to the bit, so those rows' query gradients are exactly zero, as autodiff through the
