@@ -3,7 +3,7 @@
 
 use std::ops::Range;
 
-use super::scores::{self, ScoreBlock};
+use super::scores::ScoreBlock;
 use super::{Kernel, Readable, weights};
 use crate::cpu::matrix::{
     HeadIndex, Matrix, MatrixMut, Write, for_each_task, gemm, grown, sequence_major_heads,
@@ -300,10 +300,10 @@ impl Kernel<'_> {
 
     /// The `scale · Q Kᵀ` of query block `queries` of every query head of key/value head
     /// `kv_head` over `keys`, one head's in each of `blocks`, in one pass over the keys where
-    /// each head's would read them in place ([`scores::key_rows`]: a decoding step): the keys
-    /// are then read from memory once for the group, not once per query head. Each score is
-    /// the one the head's own [`Kernel::score_block`] computes, to the bit (the backward's).
-    /// [`Dots::Wanted`] where the heads read their keys otherwise.
+    /// each head's would read them in place ([`Kernel::dots_in_place`]: a decoding step): the
+    /// keys are then read from memory once for the group, not once per query head. Each score
+    /// is the one the head's own [`Kernel::score_block`] computes, to the bit (the
+    /// backward's). [`Dots::Wanted`] where the heads read their keys otherwise.
     fn group_dots(
         &self,
         blocks: &mut [BlockScratch],
@@ -312,37 +312,19 @@ impl Kernel<'_> {
         keys: &Range<usize>,
         key_t: Matrix,
     ) -> Dots {
-        let (groups, rows, width) = (blocks.len(), queries.len(), keys.len());
-        let head_queries = |group_index: usize| {
-            let head = HeadIndex {
+        let groups = blocks.len();
+        let heads: Vec<HeadIndex> = (0..groups)
+            .map(|group_index| HeadIndex {
                 batch: kv_head.batch,
                 head: kv_head.head * groups + group_index,
-            };
-            self.query.head(head).rows(queries.start, rows)
-        };
-        let key_block = key_t.columns(keys.start, width);
-        let Some(key_rows) = scores::key_rows(head_queries(0), key_block) else {
-            return Dots::Wanted;
-        };
-        let query_rows: Vec<&[f32]> = (0..groups)
-            .flat_map(|group_index| {
-                let head = head_queries(group_index);
-                (0..rows).map(move |row| head.row(row))
             })
             .collect();
-        let mut score_rows: Vec<&mut [f32]> = blocks
-            .iter_mut()
-            .flat_map(|block| grown(&mut block.scores, rows * width).chunks_exact_mut(width))
-            .collect();
-        simd::key_dots(
-            &mut score_rows,
-            &query_rows,
-            key_rows.values,
-            key_rows.row_stride,
-            width,
-            self.params.scale as f32,
-        );
-        Dots::Computed
+        let outputs = blocks.iter_mut().map(|block| &mut block.scores);
+        if self.dots_in_place(&heads, queries, keys, key_t, outputs) {
+            Dots::Computed
+        } else {
+            Dots::Wanted
+        }
     }
 
     /// Writes the outputs of key/value head `kv_head`'s query heads (`heads`, in order), query

@@ -51,32 +51,67 @@ impl Kernel<'_> {
             key_t,
         } = block;
         let (rows, width) = (queries.len(), keys.len());
-        let scores = grown(scores, rows * width);
-        let query = self.query.head(*head).rows(queries.start, rows);
-        let key_block = key_t.columns(keys.start, width);
-        if let Some(key_rows) = key_rows(query, key_block) {
-            let query_rows: [&[f32]; FEW_QUERY_ROWS] =
-                std::array::from_fn(|row| query.row(row.min(rows - 1)));
-            let mut score_rows: Vec<&mut [f32]> = scores.chunks_exact_mut(width).collect();
-            simd::key_dots(
-                &mut score_rows,
-                &query_rows[..rows],
-                key_rows.values,
-                key_rows.row_stride,
-                width,
-                self.params.scale as f32,
-            );
-        } else {
-            let mut dst = MatrixMut::dense(scores, rows, width);
-            gemm(
-                &mut dst,
-                Write::Overwrite,
-                query,
-                key_block,
-                self.params.scale as f32,
-            );
+        if self.dots_in_place(
+            &[*head],
+            queries,
+            keys,
+            *key_t,
+            std::iter::once(&mut *scores),
+        ) {
+            return &mut scores[..rows * width];
         }
+        let scores = grown(scores, rows * width);
+        let mut dst = MatrixMut::dense(scores, rows, width);
+        gemm(
+            &mut dst,
+            Write::Overwrite,
+            self.query.head(*head).rows(queries.start, rows),
+            key_t.columns(keys.start, width),
+            self.params.scale as f32,
+        );
         scores
+    }
+
+    /// `scale · Q Kᵀ` of query block `queries` of each of `heads` (query heads of one
+    /// key/value head) over `keys`, head `h`'s in the `h`-th of `outputs` (grown to
+    /// `queries.len() · keys.len()`), in one pass over the keys through [`simd::key_dots`],
+    /// where the block reads them in place ([`key_rows`]); false, nothing written, elsewhere.
+    /// Each score is computed the same way whatever the other heads.
+    pub(super) fn dots_in_place<'s>(
+        &self,
+        heads: &[HeadIndex],
+        queries: &Range<usize>,
+        keys: &Range<usize>,
+        key_t: Matrix,
+        outputs: impl Iterator<Item = &'s mut Vec<f32>>,
+    ) -> bool {
+        let (rows, width) = (queries.len(), keys.len());
+        let head_rows = |head: HeadIndex| self.query.head(head).rows(queries.start, rows);
+        let Some(&first) = heads.first() else {
+            return false;
+        };
+        let Some(key_rows) = key_rows(head_rows(first), key_t.columns(keys.start, width)) else {
+            return false;
+        };
+        let query_rows: Vec<&[f32]> = heads
+            .iter()
+            .flat_map(|&head| {
+                let query = head_rows(head);
+                (0..rows).map(move |row| query.row(row))
+            })
+            .collect();
+        let mut score_rows: Vec<&mut [f32]> = outputs
+            .flat_map(|output| grown(output, rows * width).chunks_exact_mut(width))
+            .collect();
+        simd::key_dots(
+            &mut score_rows,
+            &query_rows,
+            key_rows.values,
+            key_rows.row_stride,
+            width,
+            self.params.scale as f32,
+        );
+        true
     }
 
     /// The soft cap, the biases and the masks on a block of `scale · Q Kᵀ`
@@ -178,7 +213,7 @@ impl Kernel<'_> {
 /// transposed copy), and a head width this CPU's copy takes. Whether they do depends on the
 /// block's shape and the heads' layouts alone, which the forward and the backward share, so
 /// that both compute a score the same way.
-pub(super) fn key_rows<'k>(query: Matrix, key_block: Matrix<'k>) -> Option<Matrix<'k>> {
+fn key_rows<'k>(query: Matrix, key_block: Matrix<'k>) -> Option<Matrix<'k>> {
     let key_rows = key_block.transposed();
     let in_place = (1..=FEW_QUERY_ROWS).contains(&query.rows)
         && key_rows.rows > 0
