@@ -525,7 +525,7 @@ fn flash_chunked_and_explicit_paths_agree_on_random_cases() {
         if name == "wgpu" {
             // Every case is a new set of kernels to compile on lavapipe (and f64 is not every
             // GPU's); the GPU paths are held to these answers by the fixed cases of
-            // cache_and_positions.rs.
+            // paths.rs.
             continue;
         }
         let device = device.autodiff();
@@ -579,7 +579,7 @@ fn a_saturated_softmax_keeps_its_query_and_key_gradients() {
     for (name, device) in test_devices() {
         let device = device.autodiff();
         if name == "wgpu" || !flash_attention_supported(&device) {
-            // On wgpu the fixed cases of cache_and_positions.rs hold the GPU paths.
+            // On wgpu the fixed cases of paths.rs hold the GPU paths.
             continue;
         }
         let instance = Instance::new(&case, &device);

@@ -5,10 +5,10 @@ use std::path::PathBuf;
 
 use burn::module::Param;
 use burn::tensor::activation::softmax;
-use burn::tensor::{Bool, Device, Distribution, Tensor, TensorData};
+use burn::tensor::{Bool, DType, Device, Distribution, Tensor, TensorData};
 use mha::{
-    AttentionPath, BlockSizes, MultiHeadAttention, MultiHeadAttentionConfig,
-    flash_attention_supported,
+    AttentionPath, BlockSizes, CacheStorage, KvCache, MhaInput, MultiHeadAttention,
+    MultiHeadAttentionConfig, SequenceId, flash_attention_supported,
 };
 use serde_json::Value;
 
@@ -212,6 +212,47 @@ pub fn with_random_sinks(mut module: MultiHeadAttention, device: &Device) -> Mul
         module.sinks = Some(Param::from_tensor(randn([module.n_heads()], device)));
     }
     module
+}
+
+/// Feeds `x` to `module` through `cache` in causal steps of `chunks` tokens and concatenates
+/// the outputs.
+pub fn decode(
+    module: &MultiHeadAttention,
+    x: &Tensor<3>,
+    chunks: &[usize],
+    cache: &mut KvCache,
+) -> Tensor<3> {
+    let mut outputs = Vec::new();
+    let mut start = 0;
+    for &length in chunks {
+        let step = x.clone().narrow(1, start, length);
+        let output = module
+            .forward_cached(MhaInput::self_attn(step).causal(), cache)
+            .expect("within limits");
+        outputs.push(output.context);
+        start += length;
+    }
+    Tensor::cat(outputs, 1)
+}
+
+/// The storages `device` holds: f16 where it has f16 tensors (not ndarray), int8 where it has
+/// i8 tensors (not lavapipe's wgpu).
+pub fn storages(device: &Device) -> Vec<CacheStorage> {
+    let mut storages = vec![CacheStorage::Float];
+    if device.supports_dtype(DType::F16) {
+        storages.push(CacheStorage::Half);
+    }
+    if device.supports_dtype(DType::I8) {
+        storages.push(CacheStorage::Int8);
+    }
+    storages
+}
+
+/// A step's sequence ids, one per row: `n` rows of each `(id, n)`, in order.
+pub fn row_ids(rows: &[(SequenceId, usize)]) -> Vec<SequenceId> {
+    rows.iter()
+        .flat_map(|&(id, n)| std::iter::repeat_n(id, n))
+        .collect()
 }
 
 /// All values finite?
