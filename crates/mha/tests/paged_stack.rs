@@ -1,6 +1,7 @@
 //! A causal Transformer stack served through its paged cache (`PagedTransformerCache`): every
 //! sequence of a ragged step gets what decoding it alone through the stack's own cache gives
-//! it, in every storage; a step its pools cannot hold is refused and every layer keeps its state.
+//! it, in every storage; a step its pools cannot hold is refused and every layer keeps its state;
+//! a stack without layers has no paged cache.
 
 mod common;
 

@@ -1,5 +1,6 @@
-//! Sliding and streaming windows, through plain forwards and every cache: the same answers as
-//! the matching mask, and buffers that stay bounded however long the sequence.
+//! Sliding and streaming windows, through plain forwards and `KvCache`'s window limits (f32, and
+//! int8 for the buffers' bounds): the same answers as the matching mask, and buffers that stay
+//! bounded however long the sequence.
 
 mod common;
 

@@ -11,7 +11,7 @@
 //! A block's keys are read side by side, sixteen rows (eight on AVX2) a line at a time each,
 //! which the hardware prefetcher did not follow from memory (AMD Zen 4: a step of 8 key/value
 //! heads at 16384 positions took 1.2-1.6x `gemm`'s time, which reads one key after another), so
-//! each block asks for the keys [`AHEAD_BYTES`] after it, a cache line at a time
+//! each block asks for the keys [`PREFETCH_BYTES`] after it, a cache line at a time
 //! ([`ask_ahead`]).
 //!
 //! Each score is computed the same way whatever the other rows and keys of the call (its
@@ -95,28 +95,41 @@ pub(crate) fn key_dots(
     }
 }
 
-/// How far ahead of the block it computes [`blocks`] asks for keys: as far as the paged
-/// kernel's tiles ask (`paged::cpu::sequence`), a few microseconds of reading, enough for the
-/// lines to arrive before the block that needs them.
+/// How far ahead of the block it computes [`blocks`] asks for keys: the paged kernel's distance
+/// (`PREFETCH_BYTES` in `paged/cpu/sequence.rs`), under a microsecond of reading at these
+/// machines' bandwidth and more than memory's latency, so that the lines arrive before the
+/// block that needs them.
 #[cfg(target_arch = "x86_64")]
-const AHEAD_BYTES: usize = 16 << 10;
+const PREFETCH_BYTES: usize = 16 << 10;
 
-/// Bytes in a cache line: [`ask_ahead`] asks for each line of a key once.
-#[cfg(target_arch = "x86_64")]
+/// Bytes in a cache line.
+#[cfg(any(target_arch = "x86_64", test))]
 const CACHE_LINE: usize = 64;
 
 /// Asks the CPU for keys `ahead` (of `row_bytes` each, `key_stride` floats apart) a cache line
-/// at a time: a prefetch reads nothing and never faults, so the addresses need not lie in
-/// `keys`, but every key asked for does (the caller's range).
+/// at a time: a prefetch reads nothing and never faults, and every key asked for lies in
+/// `keys` (the caller's range).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 fn ask_ahead(keys: &[f32], key_stride: usize, row_bytes: usize, ahead: Range<usize>) {
     for key in ahead {
         let row: *const u8 = keys.as_ptr().wrapping_add(key * key_stride).cast();
-        for offset in (0..row_bytes).step_by(CACHE_LINE) {
+        for offset in line_offsets(row as usize, row_bytes) {
             super::prefetch_line(row.wrapping_add(offset));
         }
     }
+}
+
+/// The offsets into a row of `row_bytes` at address `address` of one byte in each cache line
+/// it touches, each line once: its first byte, then each later line's first byte (a row that
+/// does not start a line touches one line more than its length in lines).
+#[cfg(any(target_arch = "x86_64", test))]
+fn line_offsets(address: usize, row_bytes: usize) -> impl Iterator<Item = usize> {
+    let into_line = address % CACHE_LINE;
+    let first = (row_bytes > 0).then_some(0);
+    first
+        .into_iter()
+        .chain((CACHE_LINE - into_line..row_bytes).step_by(CACHE_LINE))
 }
 
 /// A vector of f32 lanes as wide as a block of `KEYS` keys: lane `j` of a block's scores is
@@ -165,7 +178,7 @@ unsafe fn blocks<V: Lanes<KEYS>, const KEYS: usize>(
     let scale = unsafe { V::splat(scale) };
     let row_bytes = std::mem::size_of_val(queries[0]);
     // Whole blocks ahead, at least one.
-    let ahead = KEYS * (AHEAD_BYTES / (KEYS * row_bytes)).max(1);
+    let ahead = KEYS * (PREFETCH_BYTES / (KEYS * row_bytes)).max(1);
     for start in (0..count).step_by(KEYS) {
         let width = KEYS.min(count - start);
         ask_ahead(
@@ -387,6 +400,29 @@ mod avx2 {
 mod tests {
     use super::*;
     use crate::cpu::{CpuCapability, cpu_capability};
+
+    /// Every line a row touches is asked for once, by an offset inside the row: rows that start
+    /// a line and rows that start inside one (the buffers are aligned to an f32 only), longer
+    /// and shorter than a line.
+    #[test]
+    fn a_row_asks_for_every_line_it_touches_once() {
+        for address in [0, 4, 60, 64, 160] {
+            for row_bytes in [0, 4, 64, 256, 260, 512] {
+                let offsets: Vec<usize> = line_offsets(address, row_bytes).collect();
+                let lines: Vec<usize> = offsets
+                    .iter()
+                    .map(|offset| (address + offset) / CACHE_LINE)
+                    .collect();
+                let touched: Vec<usize> = if row_bytes == 0 {
+                    Vec::new()
+                } else {
+                    (address / CACHE_LINE..=(address + row_bytes - 1) / CACHE_LINE).collect()
+                };
+                assert_eq!(lines, touched, "a row of {row_bytes} bytes at {address}");
+                assert!(offsets.iter().all(|&offset| offset < row_bytes));
+            }
+        }
+    }
 
     /// A deterministic spread of values, some large, some tiny, of both signs.
     fn values(count: usize, seed: u32) -> Vec<f32> {
