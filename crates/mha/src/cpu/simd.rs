@@ -527,6 +527,9 @@ pub(crate) fn prefetch<T>(values: &[T], len: usize) {
     }
 }
 
+/// Bytes in a cache line: what [`prefetch_line`] asks for.
+pub(crate) const CACHE_LINE: usize = 64;
+
 /// Asks the CPU for the cache line at `address`, into L2: a request for L1 holds one of the
 /// few L1 fill buffers until its line arrives, and the loads of the work under way wait for
 /// them (a tile streamed from memory through [`Ahead`] took 10-25% longer with L1 requests on

@@ -22,6 +22,9 @@
 #[cfg(target_arch = "x86_64")]
 use std::ops::Range;
 
+#[cfg(any(target_arch = "x86_64", test))]
+use super::CACHE_LINE;
+
 /// Whether [`key_dots`] takes keys `dim` features wide on this CPU: AVX-512 for a whole number
 /// of 16-lane vectors, AVX2 + FMA of 8-lane ones; elsewhere the caller's matrix product.
 pub(crate) fn takes(dim: usize) -> bool {
@@ -101,10 +104,6 @@ pub(crate) fn key_dots(
 /// block that needs them.
 #[cfg(target_arch = "x86_64")]
 const PREFETCH_BYTES: usize = 16 << 10;
-
-/// Bytes in a cache line.
-#[cfg(any(target_arch = "x86_64", test))]
-const CACHE_LINE: usize = 64;
 
 /// Asks the CPU for keys `ahead` (of `row_bytes` each, `key_stride` floats apart) a cache line
 /// at a time: a prefetch reads nothing and never faults, and every key asked for lies in

@@ -5,8 +5,7 @@ use std::marker::PhantomData;
 
 use super::{KeyTile, LANES, RUN_BLOCKS, TileElement};
 
-/// Bytes in a cache line.
-pub(super) const CACHE_LINE: usize = 64;
+pub(super) use super::super::CACHE_LINE;
 
 /// A tile that the caller reads after this one (or a run of blocks, [`Ahead::of_run`]), which
 /// this tile's loops ask the CPU for as they go, a cache line per key feature and per value
