@@ -9,6 +9,7 @@ use super::storage::{CacheStorage, Quantized, dequantize_int8, in_dtype, quantiz
 use super::tiled::{TILE, Within, grown, tiled, tiles_for, untiled, written};
 #[cfg(any(feature = "flex", feature = "ndarray"))]
 use super::widen;
+use crate::cpu::aligned::with_zeros_after;
 use crate::cpu::native_storage;
 use crate::paged::{BlockTensor, StoredBlocks};
 
@@ -170,14 +171,8 @@ impl Layout {
         match self {
             Self::PositionMajor if total <= capacity => self.written_at(buffer, len, new),
             Self::PositionMajor => {
-                let mut parts = vec![buffer.narrow(2, 0, len), new];
-                if grown_to > total {
-                    let mut shape = dims;
-                    shape[2] = grown_to - total;
-                    let zeros = Tensor::zeros(shape, (&parts[0].device(), parts[0].dtype()));
-                    parts.push(zeros);
-                }
-                Tensor::cat(parts, 2)
+                let grown = with_zeros_after(buffer.narrow(2, 0, len), 2, grown_to - len);
+                self.written_at(grown, len, new)
             }
             Self::Tiles { batch, .. } => {
                 let buffer = if total <= capacity {
@@ -472,6 +467,47 @@ impl Stored {
             Elements::Float(buffer) => size(buffer.dims(), buffer.dtype()),
             Elements::Int8 { values, scales } => {
                 size(values.dims(), values.dtype()) + size(scales.dims(), scales.dtype())
+            }
+        }
+    }
+}
+
+// The tests run on flex.
+#[cfg(all(test, feature = "flex"))]
+mod tests {
+    use burn::tensor::{Device, Distribution};
+
+    use super::*;
+    use crate::cpu::aligned::starts_on_a_line;
+
+    #[test]
+    fn a_grown_buffer_starts_on_a_cache_line_and_holds_every_position() {
+        let device = Device::flex();
+        let rows = |n| Tensor::<4>::random([1, 8, n, 64], Distribution::Normal(0.0, 1.0), &device);
+        for storage in [CacheStorage::Float, CacheStorage::Half, CacheStorage::Int8] {
+            for side in [Side::Key, Side::Value] {
+                // 128 positions fill the first buffer (two whole tiles when compressed), so the
+                // first append grows it.
+                let steps = [rows(128), rows(1), rows(1), rows(1)];
+                let mut stored = Stored::new(steps[0].clone(), storage, side);
+                for step in &steps[1..] {
+                    stored = stored.cat(step.clone(), storage, usize::MAX);
+                }
+                let expected = Stored::new(Tensor::cat(steps.to_vec(), 2), storage, side);
+                let read = |stored: &Stored| match &stored.elements {
+                    Elements::Float(buffer) => stored.layout.positions(buffer, stored.held),
+                    Elements::Int8 { scales, .. } => stored.layout.positions(scales, stored.held),
+                };
+                read(&stored)
+                    .into_data()
+                    .assert_eq(&read(&expected).into_data(), true);
+                let buffers = match stored.elements {
+                    Elements::Float(buffer) => vec![starts_on_a_line(buffer)],
+                    Elements::Int8 { values, scales } => {
+                        vec![starts_on_a_line(values), starts_on_a_line(scales)]
+                    }
+                };
+                assert_eq!(buffers, vec![true; buffers.len()], "{storage:?} {side:?}");
             }
         }
     }

@@ -14,6 +14,8 @@
 use burn::tensor::Tensor;
 use burn::tensor::kind::Basic;
 
+use crate::cpu::aligned::with_zeros_after;
+
 /// Positions per tile: the paged kernel's largest tile (`paged::cpu::plan`), so that each of
 /// its tiles is one block.
 pub(crate) const TILE: usize = 64;
@@ -161,13 +163,12 @@ pub(crate) fn written<K: Basic>(
 
 /// `buffer` (tiles of `batch` elements) grown to `tiles` tiles, the new ones zero.
 pub(crate) fn grown<K: Basic>(buffer: Tensor<4, K>, batch: usize, tiles: usize) -> Tensor<4, K> {
-    let [blocks, heads, a, b] = buffer.dims();
+    let blocks = buffer.dims()[0];
     let extra = (tiles * batch).saturating_sub(blocks);
     if extra == 0 {
         return buffer;
     }
-    let zeros = Tensor::zeros([extra, heads, a, b], (&buffer.device(), buffer.dtype()));
-    Tensor::cat(vec![buffer, zeros], 0)
+    with_zeros_after(buffer, 0, extra)
 }
 
 // The tests run on flex.
@@ -176,6 +177,7 @@ mod tests {
     use burn::tensor::{Device, Distribution, Int, Tensor};
 
     use super::*;
+    use crate::cpu::aligned::starts_on_a_line;
 
     fn positions(shape: [usize; 4], device: &Device) -> Tensor<4> {
         Tensor::random(shape, Distribution::Normal(0.0, 1.0), device)
@@ -277,6 +279,19 @@ mod tests {
         let buffer = tiled(source.clone(), Within::FeatureMajor, 1);
         assert_eq!(buffer.dims(), [2, 3, 1, TILE]);
         assert_equal(untiled(&buffer, Within::FeatureMajor, 2, 20), source);
+    }
+
+    #[test]
+    fn grown_buffers_start_on_a_cache_line() {
+        let device = Device::flex();
+        let floats = tiled(positions([2, 8, 64, 64], &device), Within::FeatureMajor, 1);
+        let halves = floats.clone().cast(burn::tensor::FloatDType::F16);
+        let int8 = Tensor::<4, Int>::ones([2, 8, 64, 64], &device).cast(burn::tensor::IntDType::I8);
+        let grown_floats = grown(floats.clone(), 2, 3);
+        assert_equal(grown_floats.clone().narrow(0, 0, 2), floats);
+        assert!(starts_on_a_line(grown_floats));
+        assert!(starts_on_a_line(grown(halves, 2, 3)));
+        assert!(starts_on_a_line(grown(int8, 2, 3)));
     }
 
     #[test]

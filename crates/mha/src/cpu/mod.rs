@@ -10,11 +10,14 @@
 //! - `buffers.rs`: the bounded pool of output buffers (`mha::buffer_pool`);
 //! - `linear.rs`: `x · W + b` as one op with its own backward;
 //! - `rotary.rs`: RoPE's rotation as one op, its backward the inverse rotation;
-//! - `gelu.rs`: the GELU (exact or tanh-approximated) as one vectorised op, with its backward.
+//! - `gelu.rs`: the GELU (exact or tanh-approximated) as one vectorised op, with its backward;
+//! - `aligned.rs`: zero tensors whose memory starts on a cache line, for the caches' buffers on
+//!   flex.
 //!
 //! All of it needs a CPU backend compiled in (this crate's `flex` or `ndarray` feature); without
 //! one, no projection runs natively.
 
+pub(crate) mod aligned;
 #[cfg(any(feature = "flex", feature = "ndarray"))]
 pub(crate) mod buffers;
 #[cfg(any(feature = "flex", feature = "ndarray"))]

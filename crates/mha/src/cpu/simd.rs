@@ -527,7 +527,8 @@ pub(crate) fn prefetch<T>(values: &[T], len: usize) {
     }
 }
 
-/// Bytes in a cache line: what [`prefetch_line`] asks for.
+/// Bytes in a cache line: what [`prefetch_line`] asks for, and where the caches' buffers on flex
+/// start (`cpu/aligned.rs`).
 pub(crate) const CACHE_LINE: usize = 64;
 
 /// Asks the CPU for the cache line at `address`, into L2: a request for L1 holds one of the

@@ -10,6 +10,7 @@ use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 use super::cache::{BlockTable, PagedKvCacheConfig};
 use super::cpu::{Int8Blocks, PoolWrite, Slot, native_write, native_write_int8};
 use crate::cache::{CacheStorage, Quantized, dequantize_int8, in_dtype, quantize_int8};
+use crate::cpu::aligned::with_zeros_after;
 
 /// How a block lays out its positions and features.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -340,12 +341,7 @@ macro_rules! block_tensor {
                 )
             }
             fn with_zeros(self, extra: usize) -> Self {
-                let [_, heads, rows, columns] = Tensor::dims(&self);
-                let zeros = <$tensor>::zeros(
-                    [extra, heads, rows, columns],
-                    (&Tensor::device(&self), self.dtype()),
-                );
-                Tensor::cat(vec![self, zeros], 0)
+                with_zeros_after(self, 0, extra)
             }
             fn select_blocks(&self, blocks: Tensor<1, Int>) -> Self {
                 self.clone().select(0, blocks)
@@ -415,4 +411,31 @@ fn gathered<T: BlockTensor>(pool: &T, layout: BlockLayout, table: &BlockTable, l
         .swapped_first()
         .reshaped([1, heads, used * block_size, dim])
         .narrowed(2, 0, len)
+}
+
+// The tests run on flex.
+#[cfg(all(test, feature = "flex"))]
+mod tests {
+    use super::*;
+    use crate::cpu::aligned::starts_on_a_line;
+
+    #[test]
+    fn a_grown_pool_starts_on_a_cache_line() {
+        let device = Device::flex();
+        for storage in [CacheStorage::Float, CacheStorage::Half, CacheStorage::Int8] {
+            for layout in [BlockLayout::PositionMajor, BlockLayout::FeatureMajor] {
+                let config = PagedKvCacheConfig::new(64).with_storage(storage);
+                let store =
+                    BlockStore::new(config, layout, (2, 64), (&device, DType::F32)).grown(40);
+                assert_eq!(store.blocks(), 40);
+                let buffers = match store.data {
+                    BlockData::Float { blocks } => vec![starts_on_a_line(blocks)],
+                    BlockData::Int8 { values, scales } => {
+                        vec![starts_on_a_line(values), starts_on_a_line(scales)]
+                    }
+                };
+                assert_eq!(buffers, vec![true; buffers.len()], "{storage:?} {layout:?}");
+            }
+        }
+    }
 }
