@@ -295,7 +295,9 @@ fn the_gpu_kernels_equal_the_explicit_path_in_outputs_and_gradients() {
     assert!(flash_attention_supported(&device));
     let device = device.autodiff();
     let _seeded = common::seed(&device, 37);
-    for (seq_q, seq_k) in [(5, 7), (7, 3), (45, 70), (300, 530)] {
+    // Each new shape costs lavapipe new shaders for the explicit path and Burn's kernels (the
+    // flash kernels take lengths at run time): no more shapes than these properties need.
+    for (seq_q, seq_k) in [(7, 3), (45, 70), (300, 530)] {
         let sizes = Sizes::grouped(seq_q, seq_k);
         assert_flash_equals_explicit(&device, sizes, &cases(&device, sizes, None), 1e-4);
     }
@@ -377,7 +379,8 @@ fn the_gpu_kernels_in_half_precision_round_once_and_err_at_most_twice_the_explic
     };
     let device = device.autodiff();
     let _seeded = common::seed(&device, 41);
-    let sizes = Sizes::grouped(45, 150);
+    // The shape of the f32 test above, whose explicit-path shaders this one reuses.
+    let sizes = Sizes::grouped(45, 70);
     let heads = [
         randn(
             [sizes.batch, sizes.seq_q, sizes.n_heads * sizes.head_dim],

@@ -11,6 +11,20 @@ use mha::{
     flash_attention_supported,
 };
 
+/// The block sizes the chunked and flash paths are tested with on device `name`: ragged ones
+/// and the default on the CPU; one on wgpu, where lavapipe compiles kernels for each new shape.
+fn block_sizes(name: &str) -> Vec<BlockSizes> {
+    let ragged = BlockSizes { query: 4, key: 5 };
+    match name {
+        "wgpu" => vec![ragged],
+        _ => vec![
+            ragged,
+            BlockSizes { query: 1, key: 3 },
+            BlockSizes::default(),
+        ],
+    }
+}
+
 #[test]
 fn chunked_path_equals_explicit_path() {
     for (name, device) in test_devices() {
@@ -54,11 +68,7 @@ fn chunked_path_equals_explicit_path() {
             let explicit = module
                 .forward(input.clone().path(AttentionPath::Explicit))
                 .context;
-            for sizes in [
-                BlockSizes { query: 4, key: 5 },
-                BlockSizes { query: 1, key: 3 },
-                BlockSizes::default(),
-            ] {
+            for sizes in block_sizes(name) {
                 let chunked = module
                     .forward(input.clone().path(AttentionPath::Chunked(sizes)))
                     .context;
@@ -94,16 +104,7 @@ fn flash_and_chunked_paths_equal_the_explicit_path_in_outputs_and_gradients() {
             .init(&device);
         let inputs = GradientInputs::new(&device);
         for (module_label, module) in [("appended keys", &appended), ("no appended keys", &plain)] {
-            // lavapipe compiles a kernel per new shape: one block size there.
-            let block_sizes = match name {
-                "wgpu" => vec![BlockSizes { query: 4, key: 5 }],
-                _ => vec![
-                    BlockSizes { query: 4, key: 5 },
-                    BlockSizes { query: 1, key: 3 },
-                    BlockSizes::default(),
-                ],
-            };
-            for blocks in block_sizes {
+            for blocks in block_sizes(name) {
                 let mut paths = vec![AttentionPath::Chunked(blocks)];
                 if flash_attention_supported(&device) {
                     paths.push(AttentionPath::Flash(blocks));
