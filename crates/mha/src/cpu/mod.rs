@@ -12,10 +12,10 @@
 //! - `rotary.rs`: RoPE's rotation as one op, its backward the inverse rotation;
 //! - `gelu.rs`: the GELU (exact or tanh-approximated) as one vectorised op, with its backward;
 //! - `aligned.rs`: zero tensors whose memory starts on a cache line, for the caches' buffers on
-//!   flex.
+//!   flex (compiled with any backend; without flex it always declines).
 //!
-//! All of it needs a CPU backend compiled in (this crate's `flex` or `ndarray` feature); without
-//! one, no projection runs natively.
+//! All of it but `aligned.rs` needs a CPU backend compiled in (this crate's `flex` or `ndarray`
+//! feature); without one, no projection runs natively.
 
 pub(crate) mod aligned;
 #[cfg(any(feature = "flex", feature = "ndarray"))]
