@@ -495,12 +495,17 @@ mod tests {
                 }
                 let expected = Stored::new(Tensor::cat(steps.to_vec(), 2), storage, side);
                 let read = |stored: &Stored| match &stored.elements {
-                    Elements::Float(buffer) => stored.layout.positions(buffer, stored.held),
-                    Elements::Int8 { scales, .. } => stored.layout.positions(scales, stored.held),
+                    Elements::Float(buffer) => {
+                        vec![stored.layout.positions(buffer, stored.held).into_data()]
+                    }
+                    Elements::Int8 { values, scales } => vec![
+                        stored.layout.positions(values, stored.held).into_data(),
+                        stored.layout.positions(scales, stored.held).into_data(),
+                    ],
                 };
-                read(&stored)
-                    .into_data()
-                    .assert_eq(&read(&expected).into_data(), true);
+                for (actual, expected) in read(&stored).iter().zip(&read(&expected)) {
+                    actual.assert_eq(expected, true);
+                }
                 let buffers = match stored.elements {
                     Elements::Float(buffer) => vec![starts_on_a_line(buffer)],
                     Elements::Int8 { values, scales } => {

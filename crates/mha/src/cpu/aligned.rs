@@ -127,8 +127,10 @@ mod controller {
             self.lines.len() * CACHE_LINE
         }
 
-        // A copy (copy-on-write of a tensor two hold) keeps the alignment; without this,
-        // `Bytes::clone` would copy into memory allocated for at most 16-byte alignment.
+        // A copy (copy-on-write of a tensor two hold) keeps the alignment. Without this,
+        // `Bytes::clone` would copy through cubecl's native controller at `alloc_align()`,
+        // which asserts (in debug builds) an alignment of 16 at most. `Bytes::split` with an
+        // owned policy would do the same; neither flex nor Burn 0.22.1 splits a tensor's bytes.
         fn duplicate(&self) -> Option<Box<dyn AllocationController>> {
             Some(Box::new(Lines {
                 lines: self.lines.clone(),
