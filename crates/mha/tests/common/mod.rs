@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use burn::module::Param;
+use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::activation::softmax;
 use burn::tensor::{Bool, DType, Device, Distribution, Tensor, TensorData};
 use mha::{
@@ -19,7 +19,8 @@ pub use devices::{device_by_name, devices_from, test_devices, tolerance};
 /// Seeds `device`'s backend generator and holds a lock until the guard drops. Burn's seeded
 /// generator is one per backend and process, shared by the tests that `cargo test` runs on
 /// parallel threads: a test that seeds and then draws must hold this guard while it draws, or
-/// another test's draws interleave with its own.
+/// another test's draws interleave with its own. Burn draws a module's parameters at their
+/// first use, not at `init`: a test that drops the guard before that uses [`drawn`].
 #[must_use = "the generator is only this test's while the guard lives"]
 pub fn seed(device: &Device, seed: u64) -> std::sync::MutexGuard<'static, ()> {
     static SEEDED: std::sync::Mutex<()> = std::sync::Mutex::new(());
@@ -28,6 +29,20 @@ pub fn seed(device: &Device, seed: u64) -> std::sync::MutexGuard<'static, ()> {
         .unwrap_or_else(|poisoned| poisoned.into_inner());
     device.seed(seed);
     guard
+}
+
+/// `module` with every float parameter drawn now, not at its first use, so that a test can
+/// draw them while it holds [`seed`]'s guard and drop the guard before using the module.
+pub fn drawn<M: Module>(module: M) -> M {
+    struct Draw;
+    impl ModuleVisitor for Draw {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            // The value is not needed: asking for it runs the parameter's initializer.
+            let _ = param.val();
+        }
+    }
+    module.visit(&mut Draw);
+    module
 }
 
 /// A PyTorch fixture written by `tests/fixtures/generate_pytorch_fixtures.py`.
