@@ -610,6 +610,34 @@ fn a_saturated_softmax_keeps_its_query_and_key_gradients() {
     }
 }
 
+/// A case replays from its seed alone: its parameters are drawn in [`Instance::new`], under the
+/// seed's lock, not at their first use, by when a test on another thread may have seeded the
+/// backend's generator again (which once made the test above fail now and then).
+#[test]
+fn a_case_keeps_its_parameters_when_the_generator_is_seeded_again_before_their_use() {
+    let case = Case::random(1000211);
+    let device = Device::flex();
+    let parameters = |seeded_again: bool| {
+        let instance = Instance::new(&case, &device);
+        if seeded_again {
+            let _another_test = common::seed(&device, case.seed + 1);
+        }
+        let module = &instance.module;
+        [&module.query, &module.key, &module.value, &module.output]
+            .iter()
+            .flat_map(|linear| {
+                let bias = linear
+                    .bias
+                    .as_ref()
+                    .expect("the case's projections have biases");
+                [linear.weight.val().into_data(), bias.val().into_data()]
+            })
+            .map(|data| data.try_to_vec::<f32>().unwrap())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(parameters(false), parameters(true));
+}
+
 /// For inference, the weights `Auto` returns (the native flash kernel writes them on flex and
 /// ndarray), per head and averaged, and the context beside them, agree with the explicit path's
 /// on the random configurations, held to the exact answer (the explicit path in f64) by the
