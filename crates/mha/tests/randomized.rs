@@ -174,13 +174,11 @@ struct Instance {
 impl Instance {
     fn new(case: &Case, device: &Device) -> Self {
         let mut rng = Rng(case.seed ^ 0xA5A5);
-        // The parameters are drawn here, under the guard: drawn at their first use, after it
-        // drops, they took whatever state a concurrent test had seeded, and the case no longer
-        // replayed from its seed (a saturated case's gradient then fell to ~1e-16, below the
-        // rounding noise the test below holds the flash path to).
-        let seeded = common::seed(device, case.seed);
-        let mut module = common::drawn(case.config().init(device));
-        drop(seeded);
+        // The parameters are drawn here, under the seed's guard: drawn at their first use,
+        // after it drops, they took whatever state a concurrent test had seeded, and the case
+        // no longer replayed from its seed (a saturated case's gradient then fell to ~1e-16,
+        // below the rounding noise the test below holds the flash path to).
+        let mut module = common::drawn(device, case.seed, || case.config().init(device));
         if module.sinks.is_some() {
             // Trained sinks, not the initial zeros: some above the scores, some below.
             module.sinks = Some(Param::from_tensor(rng.tensor([case.n_heads], 2.0, device)));
@@ -689,15 +687,13 @@ fn inference_weights_agree_with_the_explicit_path_on_random_cases() {
 #[test]
 fn random_bad_input_is_refused_with_a_message() {
     let device = Device::flex();
-    // Drawn under the guard, so that these draws never interleave with a seeded case's.
-    let seeded = common::seed(&device, 2);
-    let module = common::drawn(
+    // Drawn under the seed's guard, so that these draws never interleave with a seeded case's.
+    let module = common::drawn(&device, 2, || {
         MultiHeadAttentionConfig::new(8, 2)
             .with_d_key_input(Some(6))
             .with_d_value_input(Some(5))
-            .init(&device),
-    );
-    drop(seeded);
+            .init(&device)
+    });
     let (batch, seq_q, seq_k) = (2, 3, 4);
     let zeros3 = |shape: [usize; 3]| Tensor::<3>::zeros(shape, &device);
     let good = [[batch, seq_q, 8], [batch, seq_k, 6], [batch, seq_k, 5]];

@@ -31,9 +31,10 @@ pub fn seed(device: &Device, seed: u64) -> std::sync::MutexGuard<'static, ()> {
     guard
 }
 
-/// `module` with every float parameter drawn now, not at its first use, so that a test can
-/// draw them while it holds [`seed`]'s guard and drop the guard before using the module.
-pub fn drawn<M: Module>(module: M) -> M {
+/// The module `init` builds, seeded with `seed` and every float parameter drawn before
+/// [`seed`]'s guard drops, not at its first use: for a test that uses the module after it
+/// lets another test seed the generator.
+pub fn drawn<M: Module>(device: &Device, seed: u64, init: impl FnOnce() -> M) -> M {
     struct Draw;
     impl ModuleVisitor for Draw {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
@@ -41,6 +42,8 @@ pub fn drawn<M: Module>(module: M) -> M {
             let _ = param.val();
         }
     }
+    let _seeded = self::seed(device, seed);
+    let module = init();
     module.visit(&mut Draw);
     module
 }
