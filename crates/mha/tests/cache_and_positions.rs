@@ -175,6 +175,8 @@ fn a_cloned_cache_and_its_original_append_independently() {
 #[test]
 fn capacity_and_batch_changes_are_refused_and_leave_the_cache_unchanged() {
     let device = Device::flex();
+    // Held while this test draws, so that its draws do not interleave with a seeded test's.
+    let _seed = common::seed(&device, 71);
     let module = MultiHeadAttentionConfig::new(8, 2).init(&device);
     let mut cache = KvCache::with_limit(CacheLimit::Fixed(4));
     module
@@ -332,6 +334,8 @@ fn alibi_and_rope_positions_follow_the_cache() {
 #[test]
 fn a_cache_filled_by_one_module_is_refused_by_another() {
     let device = Device::flex();
+    // Held while this test draws, so that its draws do not interleave with a seeded test's.
+    let _seed = common::seed(&device, 72);
     let owner = MultiHeadAttentionConfig::new(16, 4).init(&device);
     let others = [
         (
@@ -431,6 +435,8 @@ fn int8_cache_is_smaller_and_close_to_the_float_cache() {
 #[test]
 fn segment_ids_under_a_cache_are_refused_clearly() {
     let device = Device::flex();
+    // Held while this test draws, so that its draws do not interleave with a seeded test's.
+    let _seed = common::seed(&device, 73);
     let module = MultiHeadAttentionConfig::new(8, 2).init(&device);
     let x = randn([1, 3, 8], &device);
     let ids = Tensor::<2, burn::tensor::Int>::zeros([1, 3], &device);
@@ -450,6 +456,8 @@ fn segment_ids_under_a_cache_are_refused_clearly() {
 #[test]
 fn caches_reserve_at_most_their_size_again_and_never_past_a_fixed_capacity() {
     let device = Device::flex();
+    // Held while this test draws, so that its draws do not interleave with a seeded test's.
+    let _seed = common::seed(&device, 74);
     let module = MultiHeadAttentionConfig::new(16, 4)
         .with_n_kv_heads(Some(2))
         .init(&device);
