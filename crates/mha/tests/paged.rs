@@ -4,17 +4,16 @@
 
 mod common;
 
-use std::collections::BTreeMap;
-
 use burn::tensor::{Device, Tensor};
+use common::paged_harness::Harness;
 use common::{
     assert_close, device_by_name, panic_message, randn, row_ids, storages, test_devices, tolerance,
     window_softcap_sinks, with_random_sinks,
 };
 use mha::{
-    AttentionPath, BlockSizes, CacheStorage, KvCache, MhaInput, MultiHeadAttention,
-    MultiHeadAttentionConfig, PagedCacheError, PagedKvCache, PagedKvCacheConfig, RopeConfig,
-    RopeLayout, SequenceId,
+    AttentionPath, BlockSizes, CacheStorage, MhaInput, MultiHeadAttention,
+    MultiHeadAttentionConfig, PagedCacheError, PagedKvCacheConfig, RopeConfig, RopeLayout,
+    SequenceId,
 };
 
 const D_MODEL: usize = 16;
@@ -50,129 +49,6 @@ fn configs() -> Vec<(&'static str, MultiHeadAttentionConfig)> {
             base.with_add_bias_kv(true).with_add_zero_attn(true),
         ),
     ]
-}
-
-/// A paged cache and, per sequence, the `KvCache` that decodes it alone: each step is checked
-/// against the reference, row by row.
-struct Harness<'a> {
-    module: &'a MultiHeadAttention,
-    device: &'a Device,
-    paged: PagedKvCache,
-    alone: BTreeMap<SequenceId, KvCache>,
-    /// Each sequence's tokens so far, `[len, d_model]` pieces.
-    tokens: BTreeMap<SequenceId, Vec<Tensor<2>>>,
-    storage: CacheStorage,
-    /// The path the references decode with: `Auto` (a compressed `KvCache` read in place by
-    /// the paged kernel too on flex and ndarray) or `Flash` (the cache widened, another kernel).
-    reference_path: AttentionPath,
-    label: String,
-    tolerance: f32,
-}
-
-impl<'a> Harness<'a> {
-    fn new(
-        module: &'a MultiHeadAttention,
-        device: &'a Device,
-        config: PagedKvCacheConfig,
-        label: String,
-        tolerance: f32,
-    ) -> Self {
-        Self {
-            module,
-            device,
-            paged: config.init(),
-            alone: BTreeMap::new(),
-            tokens: BTreeMap::new(),
-            storage: config.storage,
-            reference_path: AttentionPath::Auto,
-            label,
-            tolerance,
-        }
-    }
-
-    /// The references decode with `path`.
-    fn with_reference_path(mut self, path: AttentionPath) -> Self {
-        self.reference_path = path;
-        self
-    }
-
-    fn add(&mut self) -> SequenceId {
-        let id = self.paged.add_sequence();
-        self.alone
-            .insert(id, KvCache::new().with_storage(self.storage));
-        self.tokens.insert(id, Vec::new());
-        id
-    }
-
-    fn fork(&mut self, parent: SequenceId) -> SequenceId {
-        let id = self.paged.fork(parent).unwrap();
-        let cache = self.alone[&parent].clone();
-        self.alone.insert(id, cache);
-        let tokens = self.tokens[&parent].clone();
-        self.tokens.insert(id, tokens);
-        id
-    }
-
-    /// A fork of `parent`'s first `prefix` positions, whose reference decodes them again.
-    fn fork_prefix(&mut self, parent: SequenceId, prefix: usize) -> SequenceId {
-        let id = self.paged.fork_prefix(parent, prefix).unwrap();
-        let tokens = Tensor::cat(self.tokens[&parent].clone(), 0).narrow(0, 0, prefix);
-        let mut alone = KvCache::new().with_storage(self.storage);
-        self.module
-            .forward_cached(
-                MhaInput::self_attn(tokens.clone().reshape([1, prefix, self.module.d_model()]))
-                    .causal(),
-                &mut alone,
-            )
-            .unwrap();
-        self.alone.insert(id, alone);
-        self.tokens.insert(id, vec![tokens]);
-        id
-    }
-
-    fn remove(&mut self, id: SequenceId) {
-        self.paged.remove_sequence(id).unwrap();
-        self.alone.remove(&id);
-        self.tokens.remove(&id);
-    }
-
-    /// One paged step of `rows` new tokens for each sequence, checked against each sequence
-    /// decoded alone.
-    fn step(&mut self, rows: &[(SequenceId, usize)]) {
-        let total = rows.iter().map(|(_, n)| n).sum();
-        let x = randn([total, self.module.d_model()], self.device);
-        let ids = row_ids(rows);
-        let output = self
-            .module
-            .forward_paged(x.clone(), &mut self.paged, &ids)
-            .unwrap();
-        let mut start = 0;
-        for &(id, n) in rows {
-            let alone = self.alone.get_mut(&id).unwrap();
-            let own = x.clone().narrow(0, start, n);
-            self.tokens.get_mut(&id).unwrap().push(own.clone());
-            let tokens = own.reshape([1, n, self.module.d_model()]);
-            let expected = self
-                .module
-                .forward_cached(
-                    MhaInput::self_attn(tokens)
-                        .causal()
-                        .path(self.reference_path),
-                    alone,
-                )
-                .unwrap()
-                .context
-                .reshape([n, self.module.d_model()]);
-            assert_close(
-                &format!("{}: {id} rows {start}..{}", self.label, start + n),
-                output.clone().narrow(0, start, n),
-                expected,
-                self.tolerance,
-            );
-            assert_eq!(self.paged.len(id), Some(alone.len()), "{}", self.label);
-            start += n;
-        }
-    }
 }
 
 /// Sequences join, leave and fork around each other, prompts are prefilled beside decoding

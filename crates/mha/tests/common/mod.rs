@@ -13,6 +13,7 @@ use mha::{
 use serde_json::Value;
 
 mod devices;
+pub mod paged_harness;
 #[allow(unused_imports)] // each test binary uses its own subset
 pub use devices::{device_by_name, devices_from, test_devices, tolerance};
 

@@ -1,0 +1,228 @@
+//! A paged cache beside, per sequence, the `KvCache` that decodes it alone: the paged tests'
+//! reference (`paged.rs`, `prefix_caching.rs`).
+
+use std::collections::BTreeMap;
+
+use burn::tensor::{Device, Tensor};
+use mha::{
+    AttentionPath, CacheStorage, KvCache, MhaInput, MultiHeadAttention, PagedCacheError,
+    PagedKvCache, PagedKvCacheConfig, SequenceId, Token,
+};
+
+use super::{assert_close, randn, row_ids};
+
+/// A paged cache and, per sequence, the `KvCache` that decodes it alone: each step is checked
+/// against the reference, row by row.
+pub struct Harness<'a> {
+    pub module: &'a MultiHeadAttention,
+    device: &'a Device,
+    pub paged: PagedKvCache,
+    alone: BTreeMap<SequenceId, KvCache>,
+    /// Each sequence's tokens so far, `[len, d_model]` pieces.
+    tokens: BTreeMap<SequenceId, Vec<Tensor<2>>>,
+    storage: CacheStorage,
+    /// The path the references decode with: `Auto` (a compressed `KvCache` read in place by
+    /// the paged kernel too on flex and ndarray) or `Flash` (the cache widened, another kernel).
+    reference_path: AttentionPath,
+    label: String,
+    tolerance: f32,
+}
+
+/// What a refused step must leave as it was: every sequence's length and the pool's blocks.
+#[derive(Debug, PartialEq, Eq)]
+struct PoolState {
+    lens: Vec<(SequenceId, Option<usize>)>,
+    blocks_in_use: usize,
+    free_blocks: usize,
+    filed_blocks: usize,
+}
+
+impl<'a> Harness<'a> {
+    pub fn new(
+        module: &'a MultiHeadAttention,
+        device: &'a Device,
+        config: PagedKvCacheConfig,
+        label: String,
+        tolerance: f32,
+    ) -> Self {
+        Self {
+            module,
+            device,
+            paged: config.init(),
+            alone: BTreeMap::new(),
+            tokens: BTreeMap::new(),
+            storage: config.storage,
+            reference_path: AttentionPath::Auto,
+            label,
+            tolerance,
+        }
+    }
+
+    /// The references decode with `path`.
+    pub fn with_reference_path(mut self, path: AttentionPath) -> Self {
+        self.reference_path = path;
+        self
+    }
+
+    /// The sequences the harness holds, in the order they were added.
+    pub fn sequences(&self) -> Vec<SequenceId> {
+        self.alone.keys().copied().collect()
+    }
+
+    pub fn add(&mut self) -> SequenceId {
+        let id = self.paged.add_sequence();
+        self.add_reference(id, None);
+        id
+    }
+
+    /// A sequence added with its `prompt` (`rows`, `[prompt.len(), d_model]`, what its tokens
+    /// give): the paged cache shares the blocks of its longest held prefix, and the reference
+    /// decodes those positions alone in one step (their outputs are not checked: the paged
+    /// cache computes none). Gives the sequence and the positions the paged cache holds; the
+    /// next step feeds the prompt's rows from there on.
+    pub fn add_with_prompt(&mut self, prompt: &[Token], rows: Tensor<2>) -> (SequenceId, usize) {
+        let matched = self.paged.add_sequence_with_prompt(prompt);
+        let cached = (matched.cached > 0).then(|| rows.narrow(0, 0, matched.cached));
+        self.add_reference(matched.id, cached);
+        (matched.id, matched.cached)
+    }
+
+    /// A reference for `id`, which holds `cached` (`[len, d_model]`) already.
+    fn add_reference(&mut self, id: SequenceId, cached: Option<Tensor<2>>) {
+        let mut alone = KvCache::new().with_storage(self.storage);
+        if let Some(cached) = &cached {
+            let [len, d_model] = cached.dims();
+            self.module
+                .forward_cached(
+                    MhaInput::self_attn(cached.clone().reshape([1, len, d_model]))
+                        .causal()
+                        .path(self.reference_path),
+                    &mut alone,
+                )
+                .unwrap();
+        }
+        self.alone.insert(id, alone);
+        self.tokens.insert(id, cached.into_iter().collect());
+    }
+
+    pub fn fork(&mut self, parent: SequenceId) -> SequenceId {
+        let id = self.paged.fork(parent).unwrap();
+        let cache = self.alone[&parent].clone();
+        self.alone.insert(id, cache);
+        let tokens = self.tokens[&parent].clone();
+        self.tokens.insert(id, tokens);
+        id
+    }
+
+    /// A fork of `parent`'s first `prefix` positions, whose reference decodes them again.
+    pub fn fork_prefix(&mut self, parent: SequenceId, prefix: usize) -> SequenceId {
+        let id = self.paged.fork_prefix(parent, prefix).unwrap();
+        let tokens = Tensor::cat(self.tokens[&parent].clone(), 0).narrow(0, 0, prefix);
+        self.add_reference(id, Some(tokens));
+        id
+    }
+
+    pub fn remove(&mut self, id: SequenceId) {
+        self.paged.remove_sequence(id).unwrap();
+        self.alone.remove(&id);
+        self.tokens.remove(&id);
+    }
+
+    /// One paged step of `rows` new tokens for each sequence, checked against each sequence
+    /// decoded alone.
+    pub fn step(&mut self, rows: &[(SequenceId, usize)]) {
+        let total = rows.iter().map(|(_, n)| n).sum();
+        let x = randn([total, self.module.d_model()], self.device);
+        self.try_step(rows, x).unwrap();
+    }
+
+    /// [`step`](Self::step) with the rows `x` (`[rows, d_model]`), which the pool may refuse:
+    /// a refused step is checked to have left every sequence and the pool's blocks as they
+    /// were, and the references take no step.
+    pub fn try_step(
+        &mut self,
+        rows: &[(SequenceId, usize)],
+        x: Tensor<2>,
+    ) -> Result<(), PagedCacheError> {
+        let ids = row_ids(rows);
+        let before = self.pool_state();
+        let output = match self.module.forward_paged(x.clone(), &mut self.paged, &ids) {
+            Ok(output) => output,
+            Err(error) => {
+                assert_eq!(
+                    self.pool_state(),
+                    before,
+                    "{}: refused: {error}",
+                    self.label
+                );
+                return Err(error);
+            }
+        };
+        let mut start = 0;
+        for &(id, n) in rows {
+            let alone = self.alone.get_mut(&id).unwrap();
+            let own = x.clone().narrow(0, start, n);
+            self.tokens.get_mut(&id).unwrap().push(own.clone());
+            let tokens = own.reshape([1, n, self.module.d_model()]);
+            let expected = self
+                .module
+                .forward_cached(
+                    MhaInput::self_attn(tokens)
+                        .causal()
+                        .path(self.reference_path),
+                    alone,
+                )
+                .unwrap()
+                .context
+                .reshape([n, self.module.d_model()]);
+            assert_close(
+                &format!("{}: {id} rows {start}..{}", self.label, start + n),
+                output.clone().narrow(0, start, n),
+                expected,
+                self.tolerance,
+            );
+            assert_eq!(self.paged.len(id), Some(alone.len()), "{}", self.label);
+            start += n;
+        }
+        self.check_pool();
+        Ok(())
+    }
+
+    fn pool_state(&self) -> PoolState {
+        PoolState {
+            lens: self
+                .alone
+                .keys()
+                .map(|&id| (id, self.paged.len(id)))
+                .collect(),
+            blocks_in_use: self.paged.blocks_in_use(),
+            free_blocks: self.paged.free_blocks(),
+            filed_blocks: self.paged.filed_blocks(),
+        }
+    }
+
+    /// The pool's blocks add up: those in use and those free make its bound, and the blocks in
+    /// use are at most one per started block of each sequence (fewer where they share).
+    pub fn check_pool(&self) {
+        let config = self.paged.config();
+        assert_eq!(
+            self.paged.blocks_in_use() + self.paged.free_blocks(),
+            config.max_blocks,
+            "{}: blocks in use and free",
+            self.label
+        );
+        let block_size = self.paged.block_size();
+        let started: usize = self
+            .alone
+            .keys()
+            .map(|&id| self.paged.len(id).unwrap().div_ceil(block_size))
+            .sum();
+        assert!(
+            self.paged.blocks_in_use() <= started,
+            "{}: {} blocks in use for {started} started blocks",
+            self.label,
+            self.paged.blocks_in_use()
+        );
+        assert!(self.paged.filed_blocks() <= self.paged.reserved_blocks());
+    }
+}
