@@ -5,42 +5,19 @@
 
 mod common;
 
-use std::collections::BTreeMap;
-
-use burn::tensor::{DType, Device, Int, Tensor, TensorData};
+use burn::tensor::{DType, Device};
 use common::paged_harness::Harness;
+use common::paged_schedule::{Embeddings, Exercised, Schedule, system};
 use common::{
     assert_close, device_by_name, randn, storages, test_devices, tolerance, window_softcap_sinks,
     with_random_sinks,
 };
 use mha::{
-    CacheStorage, KvCache, MhaInput, MultiHeadAttention, MultiHeadAttentionConfig, PagedCacheError,
-    PagedKvCache, PagedKvCacheConfig, RopeConfig, SequenceId, Token,
+    CacheStorage, KvCache, MhaInput, MultiHeadAttention, MultiHeadAttentionConfig, PagedKvCache,
+    PagedKvCacheConfig, RopeConfig, SequenceId, Token,
 };
 
 const D_MODEL: usize = 16;
-const VOCAB: usize = 64;
-
-/// A vocabulary's embeddings: what a model feeds the attention for each token.
-struct Embeddings {
-    table: Tensor<2>,
-}
-
-impl Embeddings {
-    fn new(device: &Device) -> Self {
-        Self {
-            table: randn([VOCAB, D_MODEL], device),
-        }
-    }
-
-    /// `[tokens, d_model]`.
-    fn rows(&self, tokens: &[Token]) -> Tensor<2> {
-        let ids: Vec<i64> = tokens.iter().map(|&token| i64::from(token)).collect();
-        let ids =
-            Tensor::<1, Int>::from_data(TensorData::new(ids, [tokens.len()]), &self.table.device());
-        self.table.clone().select(0, ids)
-    }
-}
 
 /// Feeds `prompt[cached..]` to `id` and checks every output row against decoding the prompt
 /// alone with a `KvCache` of the same storage, in the same two steps: its first `cached`
@@ -75,13 +52,6 @@ fn prefill_and_check(
     assert_eq!(cache.len(id), Some(prompt.len()), "{label}");
 }
 
-/// The first `n` tokens of a fixed prompt.
-fn system(n: usize) -> Vec<Token> {
-    (0..n as Token)
-        .map(|token| (token * 7 + 3) % VOCAB as Token)
-        .collect()
-}
-
 #[test]
 fn prompts_share_the_blocks_of_their_longest_held_prefix_and_equal_computing_them_alone() {
     for (name, device) in test_devices() {
@@ -90,7 +60,7 @@ fn prompts_share_the_blocks_of_their_longest_held_prefix_and_equal_computing_the
             .with_n_kv_heads(Some(2))
             .with_rope(Some(RopeConfig::new()))
             .init(&device);
-        let embeddings = Embeddings::new(&device);
+        let embeddings = Embeddings::new(D_MODEL, &device);
         let storages = if device.supports_dtype(DType::I8) {
             vec![CacheStorage::Float, CacheStorage::Int8]
         } else {
@@ -178,7 +148,7 @@ fn blocks_overwritten_by_other_sequences_are_never_matched_again() {
     let module = MultiHeadAttentionConfig::new(D_MODEL, 4)
         .with_rope(Some(RopeConfig::new()))
         .init(&device);
-    let embeddings = Embeddings::new(&device);
+    let embeddings = Embeddings::new(D_MODEL, &device);
     // Six blocks of 4: the prompt's two whole blocks and its partial one, then other
     // sequences that need every block the pool has.
     let mut cache = PagedKvCacheConfig::new(6).with_block_size(4).init();
@@ -227,7 +197,7 @@ fn a_causal_stack_shares_a_prompt_prefix_in_every_layer_with_the_same_outputs() 
     let device = Device::flex();
     let _seed = common::seed(&device, 43);
     let stack = common::causal_stack(D_MODEL, &device);
-    let embeddings = Embeddings::new(&device);
+    let embeddings = Embeddings::new(D_MODEL, &device);
     let mut cache = stack.new_paged_cache(PagedKvCacheConfig::new(32).with_block_size(4));
     let prompts = [system(9), [&system(8)[..], &[50, 51, 52]].concat()];
     for (index, prompt) in prompts.iter().enumerate() {
@@ -268,257 +238,6 @@ fn a_causal_stack_shares_a_prompt_prefix_in_every_layer_with_the_same_outputs() 
     assert_eq!(cache.add_sequence_with_prompt(&continued).cached, 12);
 }
 
-/// A schedule's choices, from a seed of its own (SplitMix64): the rows' values come from the
-/// backend's generator, which the test seeds.
-struct Choices(u64);
-
-impl Choices {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// A number in `range`.
-    fn within(&mut self, range: std::ops::RangeInclusive<usize>) -> usize {
-        range.start() + (self.next() % (range.end() - range.start() + 1) as u64) as usize
-    }
-
-    fn chance(&mut self, percent: usize) -> bool {
-        self.within(0..=99) < percent
-    }
-
-    fn tokens(&mut self, count: usize) -> Vec<Token> {
-        (0..count)
-            .map(|_| self.within(0..=VOCAB - 1) as Token)
-            .collect()
-    }
-
-    fn pick<T: Copy>(&mut self, items: &[T]) -> T {
-        items[self.within(0..=items.len() - 1)]
-    }
-}
-
-/// A sequence of a schedule as the test knows it: the tokens its positions hold, the rest of
-/// its prompt that its next step feeds, and how many of its tokens the cache was told.
-#[derive(Clone, Default)]
-struct Scheduled {
-    held: Vec<Token>,
-    pending: Vec<Token>,
-    told: usize,
-}
-
-/// What the schedules of a test did, summed: so that the test can check that they did what it
-/// is about.
-#[derive(Default)]
-struct Exercised {
-    refused_steps: usize,
-    shared_prompt_positions: usize,
-    forks: usize,
-    steps_past_32_rows: usize,
-}
-
-/// One random schedule through a [`Harness`]: sequences join (empty, or with a prompt that
-/// starts with one of a few system prompts or with a conversation held or left before, sharing
-/// what the pool holds of it), fork (whole, or a prefix), leave, and take steps together (one
-/// row, a continuation, a whole prompt or a chunk of one, past 32 rows too); a step the pool
-/// refuses is checked to change nothing, and a sequence of it leaves, as a server would preempt
-/// it. Every sequence is told its tokens, so that later prompts share its whole blocks.
-struct Schedule<'s, 'a> {
-    harness: &'s mut Harness<'a>,
-    embeddings: &'s Embeddings,
-    choices: Choices,
-    live: BTreeMap<SequenceId, Scheduled>,
-    /// The tokens of the sequences that left.
-    departed: Vec<Vec<Token>>,
-    exercised: &'s mut Exercised,
-}
-
-impl Schedule<'_, '_> {
-    /// `ops` random operations, then every sequence leaves and every block must be free.
-    fn run(mut self, ops: usize) {
-        for _ in 0..ops {
-            let ids: Vec<SequenceId> = self.live.keys().copied().collect();
-            if ids.is_empty() || (ids.len() < 6 && self.choices.chance(25)) {
-                self.join();
-                continue;
-            }
-            if self.choices.chance(12) && self.fork() {
-                continue;
-            }
-            if ids.len() > 1 && self.choices.chance(12) {
-                let id = self.choices.pick(&ids);
-                self.leave(id);
-                continue;
-            }
-            self.step(&ids);
-        }
-        let ids: Vec<SequenceId> = self.live.keys().copied().collect();
-        for id in ids {
-            self.leave(id);
-        }
-        let paged = &self.harness.paged;
-        assert_eq!(
-            (paged.blocks_in_use(), paged.free_blocks()),
-            (0, paged.config().max_blocks),
-            "every block back in the pool"
-        );
-    }
-
-    /// A new sequence, empty or with a prompt.
-    fn join(&mut self) {
-        if !self.choices.chance(60) {
-            self.live.insert(self.harness.add(), Scheduled::default());
-            return;
-        }
-        // A new request, or one that continues a conversation held or left before (whose
-        // generated tokens the cache was told too).
-        let conversations: Vec<&Vec<Token>> = self
-            .live
-            .values()
-            .map(|sequence| &sequence.held)
-            .chain(&self.departed)
-            .filter(|held| !held.is_empty())
-            .collect();
-        let start = if conversations.is_empty() || self.choices.chance(50) {
-            system(self.choices.pick(&[9, 13, 20, 35]))
-        } else {
-            let held = self.choices.pick(&conversations);
-            held[..self.choices.within(1..=held.len())].to_vec()
-        };
-        let suffix = self.choices.within(1..=6);
-        let prompt = [start, self.choices.tokens(suffix)].concat();
-        let (id, cached) = self
-            .harness
-            .add_with_prompt(&prompt, self.embeddings.rows(&prompt));
-        self.exercised.shared_prompt_positions += cached;
-        let sequence = Scheduled {
-            held: prompt[..cached].to_vec(),
-            pending: prompt[cached..].to_vec(),
-            told: prompt.len(),
-        };
-        self.live.insert(id, sequence);
-    }
-
-    /// A fork of a sequence that holds positions, whole or a prefix; false if none does.
-    fn fork(&mut self) -> bool {
-        let with_positions: Vec<SequenceId> = self
-            .live
-            .iter()
-            .filter(|(_, sequence)| !sequence.held.is_empty())
-            .map(|(&id, _)| id)
-            .collect();
-        if with_positions.is_empty() {
-            return false;
-        }
-        // Often one whose prompt is still to feed: the cache was told tokens past its
-        // positions, which its forks must not inherit.
-        let prompting: Vec<SequenceId> = with_positions
-            .iter()
-            .copied()
-            .filter(|id| !self.live[id].pending.is_empty())
-            .collect();
-        let parent = if !prompting.is_empty() && self.choices.chance(50) {
-            self.choices.pick(&prompting)
-        } else {
-            self.choices.pick(&with_positions)
-        };
-        let len = self.live[&parent].held.len();
-        let (id, kept) = if self.choices.chance(50) {
-            (self.harness.fork(parent), len)
-        } else {
-            let prefix = self.choices.within(1..=len);
-            (self.harness.fork_prefix(parent, prefix), prefix)
-        };
-        self.exercised.forks += 1;
-        // A fork's record keeps the tokens told of its positions; it feeds its own next.
-        let sequence = Scheduled {
-            held: self.live[&parent].held[..kept].to_vec(),
-            pending: Vec::new(),
-            told: self.live[&parent].told.min(kept),
-        };
-        self.live.insert(id, sequence);
-        true
-    }
-
-    fn leave(&mut self, id: SequenceId) {
-        self.harness.remove(id);
-        let sequence = self.live.remove(&id).expect("a live sequence");
-        self.departed.push(sequence.held);
-    }
-
-    /// A step of some of `ids` (at least one): refused by a full pool, one of them leaves.
-    fn step(&mut self, ids: &[SequenceId]) {
-        let mut stepping: Vec<SequenceId> = ids
-            .iter()
-            .copied()
-            .filter(|_| self.choices.chance(60))
-            .collect();
-        if stepping.is_empty() {
-            stepping.push(self.choices.pick(ids));
-        }
-        let fed: Vec<(SequenceId, Vec<Token>)> = stepping
-            .iter()
-            .map(|&id| (id, self.next_tokens(id)))
-            .collect();
-        let rows: Vec<(SequenceId, usize)> =
-            fed.iter().map(|(id, tokens)| (*id, tokens.len())).collect();
-        let all: Vec<Token> = fed.iter().flat_map(|(_, tokens)| tokens.clone()).collect();
-        match self.harness.try_step(&rows, self.embeddings.rows(&all)) {
-            Ok(()) => {
-                self.exercised.steps_past_32_rows += rows.iter().filter(|(_, n)| *n > 32).count();
-                for (id, tokens) in fed {
-                    self.fed(id, tokens);
-                }
-            }
-            Err(PagedCacheError::PoolFull { .. }) => {
-                self.exercised.refused_steps += 1;
-                let id = self.choices.pick(&stepping);
-                self.leave(id);
-            }
-            Err(error) => panic!("a step refused for another reason: {error}"),
-        }
-    }
-
-    /// The tokens `id` feeds in a step: the rest of its prompt or a chunk of it (chunked
-    /// prefill); else a prompt of its own if it holds nothing, a continuation, or one token.
-    fn next_tokens(&mut self, id: SequenceId) -> Vec<Token> {
-        let sequence = &self.live[&id];
-        let (pending, holds_nothing) = (sequence.pending.len(), sequence.held.is_empty());
-        if pending > 0 {
-            let len = if self.choices.chance(30) {
-                self.choices.within(1..=pending)
-            } else {
-                pending
-            };
-            return self.live[&id].pending[..len].to_vec();
-        }
-        let len = if holds_nothing {
-            self.choices.within(1..=40)
-        } else if self.choices.chance(15) {
-            self.choices.within(2..=36)
-        } else {
-            1
-        };
-        self.choices.tokens(len)
-    }
-
-    /// `id` took `tokens` in a step: they are held, and the cache is told those it was not.
-    fn fed(&mut self, id: SequenceId, tokens: Vec<Token>) {
-        let sequence = self.live.get_mut(&id).expect("a live sequence");
-        let prompted = tokens.len().min(sequence.pending.len());
-        sequence.pending.drain(..prompted);
-        sequence.held.extend(tokens);
-        if sequence.held.len() > sequence.told {
-            let untold = &sequence.held[sequence.told..];
-            self.harness.paged.extend_tokens(id, untold).unwrap();
-            sequence.told = sequence.held.len();
-        }
-    }
-}
-
 /// Random schedules of continuous batching over small pools, on the CPU devices (and flex under
 /// autodiff), in every
 /// storage, blocks of 4 and 16, with RoPE, with ALiBi, and with a window, a soft cap and sinks:
@@ -537,7 +256,7 @@ fn random_schedules_of_joins_forks_leaves_and_refusals_equal_decoding_each_seque
     ];
     for (name, device) in devices {
         let _seed = common::seed(&device, 44);
-        let embeddings = Embeddings::new(&device);
+        let embeddings = Embeddings::new(D_MODEL, &device);
         let configs = [
             (
                 "gqa+rope",
@@ -560,35 +279,14 @@ fn random_schedules_of_joins_forks_leaves_and_refusals_equal_decoding_each_seque
                         .with_block_size(block_size)
                         .with_storage(storage);
                     let mut harness = Harness::new(&module, &device, pool, label, 1e-5);
-                    Schedule {
-                        harness: &mut harness,
-                        embeddings: &embeddings,
-                        choices: Choices(1000 * case as u64 + seed),
-                        live: BTreeMap::new(),
-                        departed: Vec::new(),
-                        exercised: &mut exercised,
-                    }
-                    .run(150);
+                    let seed = 1000 * case as u64 + seed;
+                    Schedule::run(&mut harness, &embeddings, seed, (150, &mut exercised));
                 }
             }
         }
     }
-    let Exercised {
-        refused_steps,
-        shared_prompt_positions,
-        forks,
-        steps_past_32_rows,
-    } = exercised;
-    assert!(
-        refused_steps > 0 && shared_prompt_positions > 0 && forks > 0 && steps_past_32_rows > 0,
-        "the schedules did not do what this test is about: {refused_steps} refused steps, \
-         {shared_prompt_positions} positions shared by prompts, {forks} forks, \
-         {steps_past_32_rows} runs of more than 32 rows"
-    );
-    println!(
-        "{refused_steps} refused steps, {shared_prompt_positions} positions shared by prompts, \
-         {forks} forks, {steps_past_32_rows} runs of more than 32 rows"
-    );
+    exercised.check_everything_happened();
+    println!("{exercised:?}");
 }
 
 /// A fork holds its parent's positions and the tokens told of them, not the tokens its parent
@@ -602,7 +300,7 @@ fn a_fork_does_not_inherit_the_tokens_its_parent_was_told_past_its_positions() {
     let module = MultiHeadAttentionConfig::new(D_MODEL, 4)
         .with_rope(Some(RopeConfig::new()))
         .init(&device);
-    let embeddings = Embeddings::new(&device);
+    let embeddings = Embeddings::new(D_MODEL, &device);
     let mut cache = PagedKvCacheConfig::new(32).with_block_size(4).init();
     let prompt = system(14);
     let parent = cache.add_sequence_with_prompt(&prompt).id;
@@ -643,7 +341,7 @@ fn a_fork_alone_in_a_filed_block_copies_it_before_writing_its_own_tokens() {
     let module = MultiHeadAttentionConfig::new(D_MODEL, 4)
         .with_rope(Some(RopeConfig::new()))
         .init(&device);
-    let embeddings = Embeddings::new(&device);
+    let embeddings = Embeddings::new(D_MODEL, &device);
     let mut cache = PagedKvCacheConfig::new(32).with_block_size(4).init();
     let prompt = system(13);
     let parent = cache.add_sequence_with_prompt(&prompt);

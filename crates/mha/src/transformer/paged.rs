@@ -26,6 +26,11 @@ impl PagedTransformerCache {
     /// A new sequence whose positions will hold `prompt`'s tokens, sharing in every layer the
     /// whole blocks of the longest prefix of `prompt` that every layer holds
     /// ([`PagedKvCache::add_sequence_with_prompt`]; the step feeds `prompt[cached..]`).
+    ///
+    /// In f16 and int8 storage a layer's step reads its own new keys and values unrounded and
+    /// earlier ones as stored, so the next layer's keys at a position depend, by the storage's
+    /// rounding, on how the sequence that stored them was cut into steps: a prompt sharing
+    /// them gets what computing it alone gives to within that rounding (in f32, the same).
     pub fn add_sequence_with_prompt(&mut self, prompt: &[Token]) -> PromptMatch {
         let blocks = self
             .layers

@@ -14,6 +14,7 @@ use serde_json::Value;
 
 mod devices;
 pub mod paged_harness;
+pub mod paged_schedule;
 #[allow(unused_imports)] // each test binary uses its own subset
 pub use devices::{device_by_name, devices_from, test_devices, tolerance};
 

@@ -9,6 +9,7 @@ use mha::{
     PagedKvCache, PagedKvCacheConfig, SequenceId, Token,
 };
 
+use super::paged_schedule::Served;
 use super::{assert_close, randn, row_ids};
 
 /// A paged cache and, per sequence, the `KvCache` that decodes it alone: each step is checked
@@ -224,5 +225,48 @@ impl<'a> Harness<'a> {
             self.paged.blocks_in_use()
         );
         assert!(self.paged.filed_blocks() <= self.paged.reserved_blocks());
+    }
+}
+
+impl Served for Harness<'_> {
+    fn add(&mut self) -> SequenceId {
+        Harness::add(self)
+    }
+
+    fn add_with_prompt(&mut self, prompt: &[Token], rows: Tensor<2>) -> (SequenceId, usize) {
+        Harness::add_with_prompt(self, prompt, rows)
+    }
+
+    fn fork(&mut self, parent: SequenceId) -> SequenceId {
+        Harness::fork(self, parent)
+    }
+
+    fn fork_prefix(&mut self, parent: SequenceId, prefix: usize) -> SequenceId {
+        Harness::fork_prefix(self, parent, prefix)
+    }
+
+    fn remove(&mut self, id: SequenceId) {
+        Harness::remove(self, id)
+    }
+
+    fn try_step(
+        &mut self,
+        rows: &[(SequenceId, usize)],
+        x: Tensor<2>,
+    ) -> Result<(), PagedCacheError> {
+        Harness::try_step(self, rows, x)
+    }
+
+    fn extend_tokens(&mut self, id: SequenceId, tokens: &[Token]) {
+        self.paged.extend_tokens(id, tokens).unwrap();
+    }
+
+    fn check_all_blocks_free(&self) {
+        assert_eq!(
+            (self.paged.blocks_in_use(), self.paged.free_blocks()),
+            (0, self.paged.config().max_blocks),
+            "{}: every block back in the pool",
+            self.label
+        );
     }
 }
