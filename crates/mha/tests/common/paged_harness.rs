@@ -65,11 +65,6 @@ impl<'a> Harness<'a> {
         self
     }
 
-    /// The sequences the harness holds, in the order they were added.
-    pub fn sequences(&self) -> Vec<SequenceId> {
-        self.alone.keys().copied().collect()
-    }
-
     pub fn add(&mut self) -> SequenceId {
         let id = self.paged.add_sequence();
         self.add_reference(id, None);

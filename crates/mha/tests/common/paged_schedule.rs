@@ -65,7 +65,7 @@ pub fn system(n: usize) -> Vec<Token> {
 
 /// A schedule's choices, from a seed of its own (SplitMix64): the rows' values come from the
 /// backend's generator, which the test seeds.
-pub struct Choices(pub u64);
+struct Choices(u64);
 
 impl Choices {
     fn next(&mut self) -> u64 {
