@@ -19,6 +19,14 @@ use mha::{
 
 const D_MODEL: usize = 16;
 
+/// Four heads with RoPE: keys that depend on their positions, so that a block shared at
+/// another position would show.
+fn rope_module(device: &Device) -> MultiHeadAttention {
+    MultiHeadAttentionConfig::new(D_MODEL, 4)
+        .with_rope(Some(RopeConfig::new()))
+        .init(device)
+}
+
 /// Feeds `prompt[cached..]` to `id` and checks every output row against decoding the prompt
 /// alone with a `KvCache` of the same storage, in the same two steps: its first `cached`
 /// tokens, then the rest (in int8 a step's own keys are used unquantized, the cached ones as
@@ -145,9 +153,7 @@ fn prompts_share_the_blocks_of_their_longest_held_prefix_and_equal_computing_the
 fn blocks_overwritten_by_other_sequences_are_never_matched_again() {
     let device = Device::flex();
     let _seed = common::seed(&device, 42);
-    let module = MultiHeadAttentionConfig::new(D_MODEL, 4)
-        .with_rope(Some(RopeConfig::new()))
-        .init(&device);
+    let module = rope_module(&device);
     let embeddings = Embeddings::new(D_MODEL, &device);
     // Six blocks of 4: the prompt's two whole blocks and its partial one, then other
     // sequences that need every block the pool has.
@@ -297,9 +303,7 @@ fn random_schedules_of_joins_forks_leaves_and_refusals_equal_decoding_each_seque
 fn a_fork_does_not_inherit_the_tokens_its_parent_was_told_past_its_positions() {
     let device = Device::flex();
     let _seed = common::seed(&device, 45);
-    let module = MultiHeadAttentionConfig::new(D_MODEL, 4)
-        .with_rope(Some(RopeConfig::new()))
-        .init(&device);
+    let module = rope_module(&device);
     let embeddings = Embeddings::new(D_MODEL, &device);
     let mut cache = PagedKvCacheConfig::new(32).with_block_size(4).init();
     let prompt = system(14);
@@ -338,9 +342,7 @@ fn a_fork_does_not_inherit_the_tokens_its_parent_was_told_past_its_positions() {
 fn a_fork_alone_in_a_filed_block_copies_it_before_writing_its_own_tokens() {
     let device = Device::flex();
     let _seed = common::seed(&device, 46);
-    let module = MultiHeadAttentionConfig::new(D_MODEL, 4)
-        .with_rope(Some(RopeConfig::new()))
-        .init(&device);
+    let module = rope_module(&device);
     let embeddings = Embeddings::new(D_MODEL, &device);
     let mut cache = PagedKvCacheConfig::new(32).with_block_size(4).init();
     let prompt = system(13);

@@ -10,56 +10,11 @@ mod common;
 
 use burn::module::Param;
 use burn::tensor::{Bool, Device, FloatDType, Gradients, Int, Tensor, TensorData};
-use common::test_devices;
+use common::{Rng, test_devices};
 use mha::{
     AttentionPath, BlockSizes, MhaInput, MultiHeadAttention, MultiHeadAttentionConfig, NeedWeights,
     RopeConfig, RopeLayout, flash_attention_supported,
 };
-
-/// SplitMix64: a seeded generator of its own, so that a case replays from its seed alone.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in `0..n`.
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-
-    /// One of `choices`.
-    fn pick<T: Copy>(&mut self, choices: &[T]) -> T {
-        choices[self.below(choices.len())]
-    }
-
-    fn chance(&mut self, p: f64) -> bool {
-        (self.next() >> 11) as f64 / (1u64 << 53) as f64 <= p
-    }
-
-    /// Standard normal (Box-Muller).
-    fn normal(&mut self) -> f32 {
-        let u = ((self.next() >> 11) as f64 + 0.5) / (1u64 << 53) as f64;
-        let v = (self.next() >> 11) as f64 / (1u64 << 53) as f64;
-        ((-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos()) as f32
-    }
-
-    fn tensor<const D: usize>(
-        &mut self,
-        shape: [usize; D],
-        scale: f32,
-        device: &Device,
-    ) -> Tensor<D> {
-        let count = shape.iter().product();
-        let values: Vec<f32> = (0..count).map(|_| scale * self.normal()).collect();
-        Tensor::from_data(TensorData::new(values, shape), device)
-    }
-}
 
 /// One random configuration and input.
 #[derive(Debug, Clone)]

@@ -15,8 +15,10 @@ use serde_json::Value;
 mod devices;
 pub mod paged_harness;
 pub mod paged_schedule;
+mod rng;
 #[allow(unused_imports)] // each test binary uses its own subset
 pub use devices::{device_by_name, devices_from, test_devices, tolerance};
+pub use rng::Rng;
 
 /// Seeds `device`'s backend generator and holds a lock until the guard drops. Burn's seeded
 /// generator is one per backend and process, shared by the tests that `cargo test` runs on

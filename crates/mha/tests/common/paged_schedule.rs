@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use mha::{PagedCacheError, SequenceId, Token};
 
-use super::randn;
+use super::{Rng, randn};
 
 /// Tokens of the schedules' vocabulary.
 pub const VOCAB: usize = 64;
@@ -63,22 +63,14 @@ pub fn system(n: usize) -> Vec<Token> {
         .collect()
 }
 
-/// A schedule's choices, from a seed of its own (SplitMix64): the rows' values come from the
+/// A schedule's choices, from a seed of its own ([`Rng`]): the rows' values come from the
 /// backend's generator, which the test seeds.
-struct Choices(u64);
+struct Choices(Rng);
 
 impl Choices {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
     /// A number in `range`.
     fn within(&mut self, range: std::ops::RangeInclusive<usize>) -> usize {
-        range.start() + (self.next() % (range.end() - range.start() + 1) as u64) as usize
+        range.start() + self.0.below(range.end() - range.start() + 1)
     }
 
     fn chance(&mut self, percent: usize) -> bool {
@@ -92,7 +84,7 @@ impl Choices {
     }
 
     fn pick<T: Copy>(&mut self, items: &[T]) -> T {
-        items[self.within(0..=items.len() - 1)]
+        self.0.pick(items)
     }
 }
 
@@ -160,7 +152,7 @@ impl<'s, S: Served> Schedule<'s, S> {
         Schedule {
             harness,
             embeddings,
-            choices: Choices(seed),
+            choices: Choices(Rng(seed)),
             live: BTreeMap::new(),
             departed: Vec::new(),
             exercised,
