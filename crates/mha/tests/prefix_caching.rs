@@ -14,7 +14,7 @@ use common::{
 };
 use mha::{
     CacheStorage, KvCache, MhaInput, MultiHeadAttention, MultiHeadAttentionConfig, PagedKvCache,
-    PagedKvCacheConfig, RopeConfig, SequenceId, Token,
+    PagedKvCacheConfig, RopeConfig, RopeLayout, SequenceId, Token,
 };
 
 const D_MODEL: usize = 16;
@@ -245,9 +245,9 @@ fn a_causal_stack_shares_a_prompt_prefix_in_every_layer_with_the_same_outputs() 
 }
 
 /// Random schedules of continuous batching over small pools, on the CPU devices (and flex under
-/// autodiff), in every
-/// storage, blocks of 4 and 16, with RoPE, with ALiBi, and with a window, a soft cap and sinks:
-/// each sequence gets, row by row, what decoding it alone with a `KvCache` gives it, whatever
+/// autodiff), in every storage, blocks of 4 and 16, in five configurations (grouped heads with
+/// RoPE; ALiBi; a window, a soft cap and sinks; one key/value head, half-split RoPE and the
+/// quiet softmax; `add_bias_kv` and `add_zero_attn`): each sequence gets, row by row, what decoding it alone with a `KvCache` gives it, whatever
 /// joins, forks, leaves, shares its prompt's blocks or is refused around it; a refused step
 /// changes nothing; the pool's blocks add up after every step and all come back at the end.
 #[test]
@@ -275,6 +275,19 @@ fn random_schedules_of_joins_forks_leaves_and_refusals_equal_decoding_each_seque
                 MultiHeadAttentionConfig::new(D_MODEL, 4).with_alibi(true),
             ),
             ("gqa+window+softcap+sinks", window_softcap_sinks(D_MODEL, 7)),
+            (
+                "mqa+rope-half+quiet",
+                MultiHeadAttentionConfig::new(D_MODEL, 4)
+                    .with_n_kv_heads(Some(1))
+                    .with_rope(Some(RopeConfig::new().with_layout(RopeLayout::HalfSplit)))
+                    .with_quiet_softmax(true),
+            ),
+            (
+                "bias_kv+zero_attn",
+                MultiHeadAttentionConfig::new(D_MODEL, 4)
+                    .with_add_bias_kv(true)
+                    .with_add_zero_attn(true),
+            ),
         ];
         for (case, (label, config)) in configs.into_iter().enumerate() {
             let module = with_random_sinks(config.init(&device), &device);
