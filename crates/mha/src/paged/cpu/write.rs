@@ -223,6 +223,22 @@ fn paged_write_int8<B: CpuStorage>(
     let rows = B::heads_view(&rows).expect("a readable layout");
     let (values_shape, scales_shape) = (rank_4(&values), rank_4(&scales));
     let dim = rows.shape()[3];
+    // Each written row's scale, computed once: both passes visit the slots and heads in the
+    // same order, so the values' pass takes the scales in the order the scales' pass made them.
+    let mut row_scales = Vec::with_capacity(params.slots.len() * rows.shape()[1]);
+    let scale_elements = B::writable(&mut scales).expect("paged write: f32 scales");
+    write_rows(
+        scale_elements,
+        (scales_shape, 1),
+        &rows,
+        params,
+        |source, row| {
+            let scale = int8_scale(source);
+            row_scales.push(scale);
+            row.fill(scale);
+        },
+    );
+    let mut row_scales = row_scales.into_iter();
     let value_elements = B::int8_writable(&mut values).expect("paged write: an i8 pool");
     write_rows(
         value_elements,
@@ -230,19 +246,11 @@ fn paged_write_int8<B: CpuStorage>(
         &rows,
         params,
         |source, row| {
-            let scale = int8_scale(source);
+            let scale = row_scales.next().expect("a scale per row written");
             for (place, &value) in row.iter_mut().zip(source) {
                 *place = int8_value(value, scale);
             }
         },
-    );
-    let scale_elements = B::writable(&mut scales).expect("paged write: f32 scales");
-    write_rows(
-        scale_elements,
-        (scales_shape, 1),
-        &rows,
-        params,
-        |source, row| row.fill(int8_scale(source)),
     );
     (values, scales)
 }
@@ -250,7 +258,7 @@ fn paged_write_int8<B: CpuStorage>(
 /// Writes row `slot.row` of every head of `rows` at each slot of a pool of `shape` (laid out
 /// as `params.layout` says; `elements` its elements), as `convert` turns the row's features
 /// into the pool's row of `pool_dim` elements (the rows' feature count, or one: an int8
-/// pool's scales).
+/// pool's scales). `convert` is called slot by slot, head by head within a slot.
 ///
 /// # Panics
 ///
@@ -261,7 +269,7 @@ fn write_rows<E: Copy + Default>(
     (shape, pool_dim): ([usize; 4], usize),
     rows: &HeadsView,
     params: &WriteParams,
-    convert: impl Fn(&[f32], &mut [E]),
+    mut convert: impl FnMut(&[f32], &mut [E]),
 ) {
     let [_, heads, count, _] = rows.shape();
     let (position_axis, feature_axis) = match params.layout {
