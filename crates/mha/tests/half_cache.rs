@@ -138,25 +138,13 @@ fn an_infinite_row_does_not_hide_another_rows_key_beyond_f16_range() {
     assert_eq!(paged.blocks_in_use(), 0);
 }
 
-/// A copy of `stack` whose second layer's attention sees its input scaled by 10^6 (its norm's
-/// gain), so that its keys exceed f16's range while the first layer's do not. The attention
-/// weights are the same parameters, so it may step the caches of `stack`.
-fn overflowing_in_its_second_layer(
-    stack: &mha::transformer::TransformerEncoder,
-) -> mha::transformer::TransformerEncoder {
-    let mut stack = stack.clone();
-    let norm = &mut stack.layers[1].attention_norm;
-    norm.gamma = norm.gamma.clone().map(|gamma| gamma * 1e6);
-    stack
-}
-
 #[test]
 fn a_stack_refused_by_a_later_layer_takes_the_step_back_in_every_layer() {
     use mha::transformer::TransformerEncoderInput;
     let device = Device::flex();
     let _seed = common::seed(&device, 54);
     let normal = common::causal_stack(D_MODEL, &device);
-    let stack = overflowing_in_its_second_layer(&normal);
+    let stack = common::overflowing_in_its_second_layer(&normal);
     let config = PagedKvCacheConfig::new(16)
         .with_block_size(4)
         .with_storage(CacheStorage::Half);
@@ -225,7 +213,7 @@ fn kv_cache_stacks_refused_by_a_later_layer_take_the_step_back_in_every_layer() 
     let device = Device::flex();
     let _seed = common::seed(&device, 55);
     let normal = common::causal_stack(D_MODEL, &device);
-    let overflowing = overflowing_in_its_second_layer(&normal);
+    let overflowing = common::overflowing_in_its_second_layer(&normal);
     let tokens = randn([1, 9, D_MODEL], &device);
     let step = |start, len| TransformerEncoderInput::new(tokens.clone().narrow(1, start, len));
     // Appended in place (taken back by its length), and two windows that evict in the refused

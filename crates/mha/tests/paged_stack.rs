@@ -83,7 +83,9 @@ fn a_stack_refuses_a_step_its_pools_cannot_hold_and_every_layer_keeps_its_state(
 /// Random schedules (`common/paged_schedule.rs`) through a causal stack's paged cache, in every
 /// storage, blocks of 4 and 16, flex and ndarray: every row of every sequence equals decoding
 /// it alone through the stack's own cache, whatever joins (sharing a prompt's blocks in every
-/// layer), forks, leaves or is refused around it; a refused step changes no layer.
+/// layer), forks, leaves or is refused around it; a refused step changes no layer. In f16 some
+/// steps are first refused by the second layer (its keys beyond f16's range), and the first
+/// layer takes them back, whatever blocks they copied or overwrote, shared or filed.
 #[test]
 fn random_schedules_through_a_stack_equal_decoding_each_sequence_alone_through_it() {
     let mut exercised = Exercised::default();
@@ -109,11 +111,18 @@ fn random_schedules_through_a_stack_equal_decoding_each_sequence_alone_through_i
                 };
                 let mut harness =
                     StackHarness::new(&stack, &device, config).with_tolerance(tolerance);
+                if storage == CacheStorage::Half {
+                    harness = harness.with_steps_refused_by_a_later_layer();
+                }
                 Schedule::run(&mut harness, &embeddings, seed, (100, &mut exercised));
             }
         }
     }
     exercised.check_everything_happened();
+    assert!(
+        exercised.steps_taken_back > 0,
+        "no f16 step was refused by a later layer: {exercised:?}"
+    );
     println!("{exercised:?}");
 }
 
@@ -129,6 +138,9 @@ struct StackHarness<'a> {
     storage: CacheStorage,
     max_blocks: usize,
     tolerance: f32,
+    /// A copy of the stack whose second layer's keys exceed f16's range
+    /// ([`common::overflowing_in_its_second_layer`]), for an f16 pool's steps taken back.
+    overflowing: Option<TransformerEncoder>,
 }
 
 /// What a refused step must leave as it was: every sequence's length and each layer's blocks
@@ -150,7 +162,15 @@ impl<'a> StackHarness<'a> {
             storage: config.storage,
             max_blocks: config.max_blocks,
             tolerance: 1e-5,
+            overflowing: None,
         }
+    }
+
+    /// Steps that a copy of the stack whose second layer's keys exceed f16's range refuses,
+    /// through [`Served::try_step_refused_by_a_later_layer`].
+    fn with_steps_refused_by_a_later_layer(mut self) -> Self {
+        self.overflowing = Some(common::overflowing_in_its_second_layer(self.stack));
+        self
     }
 
     /// Rows checked to within `tolerance` of the references.
@@ -194,6 +214,17 @@ impl<'a> StackHarness<'a> {
 
     fn label(&self) -> String {
         format!("stack {:?} {:?}", self.device, self.storage)
+    }
+
+    /// Panics unless every layer holds as many blocks in use, free and filed as the first:
+    /// the layers see the same steps, and a step one takes back is forgotten by all.
+    fn check_layers_alike(&self) {
+        let StackState { layers, .. } = self.state();
+        assert!(
+            layers.iter().all(|layer| *layer == layers[0]),
+            "{}: the layers' blocks in use, free and filed differ: {layers:?}",
+            self.label()
+        );
     }
 
     fn state(&self) -> StackState {
@@ -266,6 +297,7 @@ impl Served for StackHarness<'_> {
                 return Err(error);
             }
         };
+        self.check_layers_alike();
         let mut start = 0;
         for &(id, n) in rows {
             let own = x.clone().narrow(0, start, n);
@@ -296,6 +328,43 @@ impl Served for StackHarness<'_> {
 
     fn extend_tokens(&mut self, id: SequenceId, tokens: &[Token]) {
         self.paged.extend_tokens(id, tokens).unwrap();
+    }
+
+    fn refuses_in_a_later_layer(&self) -> bool {
+        self.overflowing.is_some()
+    }
+
+    fn try_step_refused_by_a_later_layer(
+        &mut self,
+        rows: &[(SequenceId, usize)],
+        x: Tensor<2>,
+    ) -> PagedCacheError {
+        let overflowing = self.overflowing.as_ref().expect("an overflowing copy");
+        let before = self.state();
+        let error = overflowing
+            .forward_paged(x, &mut self.paged, &row_ids(rows))
+            .expect_err("the second layer's keys exceed f16's range");
+        let (label, after) = (self.label(), self.state());
+        match error {
+            PagedCacheError::PoolFull { .. } => assert_eq!(after, before, "{label}: {error}"),
+            PagedCacheError::BeyondHalfRange { .. } => {
+                // The whole blocks the step overwrote are no longer filed for later prompts.
+                assert_eq!(after.lens, before.lens, "{label}: lengths after {error}");
+                for (layer, ([in_use, free, filed], [was_in_use, was_free, was_filed])) in
+                    after.layers.iter().zip(&before.layers).enumerate()
+                {
+                    assert!(
+                        (in_use, free) == (was_in_use, was_free) && filed <= was_filed,
+                        "{label}: layer {layer} holds {in_use} blocks, {free} free, {filed} \
+                         filed after {error}, where it held {was_in_use}, {was_free} and \
+                         {was_filed}"
+                    );
+                }
+            }
+            _ => panic!("{label}: a step refused for another reason: {error}"),
+        }
+        self.check_layers_alike();
+        error
     }
 
     fn check_all_blocks_free(&self) {

@@ -397,3 +397,15 @@ pub fn causal_stack(d_model: usize, device: &Device) -> mha::transformer::Transf
         .with_dropout(0.0)
         .init(device)
 }
+
+/// A copy of `stack` whose second layer's attention sees its input scaled by 10^6 (its norm's
+/// gain), so that its keys exceed f16's range while the first layer's do not. The attention
+/// weights are the same parameters, so it may step the caches of `stack`.
+pub fn overflowing_in_its_second_layer(
+    stack: &mha::transformer::TransformerEncoder,
+) -> mha::transformer::TransformerEncoder {
+    let mut stack = stack.clone();
+    let norm = &mut stack.layers[1].attention_norm;
+    norm.gamma = norm.gamma.clone().map(|gamma| gamma * 1e6);
+    stack
+}

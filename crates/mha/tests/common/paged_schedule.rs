@@ -32,6 +32,26 @@ pub trait Served {
     fn extend_tokens(&mut self, id: SequenceId, tokens: &[Token]);
     /// Panics unless every block of the pool (of every layer) is free.
     fn check_all_blocks_free(&self);
+    /// Whether the harness holds a model that a later layer's range refuses
+    /// ([`try_step_refused_by_a_later_layer`](Self::try_step_refused_by_a_later_layer)).
+    fn refuses_in_a_later_layer(&self) -> bool {
+        false
+    }
+    /// The step of `rows` through the harness's model whose later layer's keys exceed f16's
+    /// range: it must be refused (by that layer, or by a full pool first), the layers before
+    /// it taking the step back, and leave every sequence's length and the pools' blocks in use
+    /// and free as they were. Gives the refusal.
+    ///
+    /// # Panics
+    ///
+    /// Where [`refuses_in_a_later_layer`](Self::refuses_in_a_later_layer) is false.
+    fn try_step_refused_by_a_later_layer(
+        &mut self,
+        _rows: &[(SequenceId, usize)],
+        _x: Tensor<2>,
+    ) -> PagedCacheError {
+        panic!("this harness has no model that a later layer refuses")
+    }
 }
 
 /// A vocabulary's embeddings: what a model feeds the attention for each token.
@@ -105,6 +125,8 @@ pub struct Exercised {
     pub shared_prompt_positions: usize,
     pub forks: usize,
     pub steps_past_32_rows: usize,
+    /// Steps a later layer refused, which the layers before it took back.
+    pub steps_taken_back: usize,
 }
 
 impl Exercised {
@@ -116,6 +138,7 @@ impl Exercised {
             shared_prompt_positions,
             forks,
             steps_past_32_rows,
+            ..
         } = *self;
         assert!(
             refused_steps > 0 && shared_prompt_positions > 0 && forks > 0 && steps_past_32_rows > 0,
@@ -129,7 +152,9 @@ impl Exercised {
 /// what the pool holds of it), fork (whole, or a prefix), leave, and take steps together (one
 /// row, a continuation, a whole prompt or a chunk of one, past 32 rows too); a step the pool
 /// refuses is checked to change nothing, and a sequence of it leaves, as a server would preempt
-/// it. Every sequence is told its tokens, so that later prompts share its whole blocks.
+/// it; where the harness holds a model a later layer refuses, a step is sometimes first tried
+/// through it and taken back. Every sequence is told its tokens, so that later prompts share
+/// its whole blocks.
 pub struct Schedule<'s, S> {
     harness: &'s mut S,
     embeddings: &'s Embeddings,
@@ -283,7 +308,18 @@ impl<'s, S: Served> Schedule<'s, S> {
         let rows: Vec<(SequenceId, usize)> =
             fed.iter().map(|(id, tokens)| (*id, tokens.len())).collect();
         let all: Vec<Token> = fed.iter().flat_map(|(_, tokens)| tokens.clone()).collect();
-        match self.harness.try_step(&rows, self.embeddings.rows(&all)) {
+        let x = self.embeddings.rows(&all);
+        // Now and then the step is first refused by a later layer (where the harness can): the
+        // layers before it take it back, and the step is then taken as if never tried.
+        if self.harness.refuses_in_a_later_layer() && self.choices.chance(20) {
+            let refusal = self
+                .harness
+                .try_step_refused_by_a_later_layer(&rows, x.clone());
+            if let PagedCacheError::BeyondHalfRange { .. } = refusal {
+                self.exercised.steps_taken_back += 1;
+            }
+        }
+        match self.harness.try_step(&rows, x) {
             Ok(()) => {
                 self.exercised.steps_past_32_rows += rows.iter().filter(|(_, n)| *n > 32).count();
                 for (id, tokens) in fed {
