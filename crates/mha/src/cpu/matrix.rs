@@ -96,6 +96,27 @@ impl<'a, E> HeadsView<'a, E> {
         )
     }
 
+    /// Head `index`'s elements from its first to the end of the tensor's, with the tensor's
+    /// strides: what [`head`](Self::head) gives without the matrix's checks, for a reader that
+    /// checks what it reads against the slice (the paged step's tiles, one per block and
+    /// key/value head, which `simd::attend_tile` and its siblings check).
+    ///
+    /// # Panics
+    ///
+    /// If the head is not in the tensor.
+    #[inline]
+    pub fn head_elements(&self, index: HeadIndex) -> Strided<'a, E> {
+        let [batches, heads, ..] = self.shape;
+        if index.batch >= batches || index.head >= heads {
+            head_out_of_range(index, self.shape);
+        }
+        let start = index.batch * self.strides[0] + index.head * self.strides[1];
+        Strided {
+            values: &self.values[start..],
+            strides: self.strides,
+        }
+    }
+
     /// Row `row` of head `index`, which must have unit column stride.
     ///
     /// # Panics
@@ -112,6 +133,12 @@ impl<'a, E> HeadsView<'a, E> {
         let start = row * head.row_stride;
         &head.values[start..start + dim]
     }
+}
+
+#[cold]
+#[inline(never)]
+fn head_out_of_range(index: HeadIndex, shape: [usize; 4]) -> ! {
+    panic!("CPU kernel: {index:?} is not a head of {shape:?}")
 }
 
 /// A tensor broadcast to `[batch, heads, rows, columns]` (a mask, a bias) read in place, with

@@ -12,7 +12,7 @@ use burn::tensor::f16;
 use super::merge::PartialRows;
 use super::plan::{Chunk, ChunkSource, Task, Unit, chunks, tile_positions, units, visible};
 use super::{PagedParams, PagedSequence, PoolViews, Sizes, Views};
-use crate::cpu::matrix::{HeadIndex, HeadsView, Matrix};
+use crate::cpu::matrix::{HeadIndex, HeadsView};
 use crate::cpu::simd;
 use crate::cpu::simd::RUN_BLOCKS;
 
@@ -111,41 +111,26 @@ struct BlockPart {
 }
 
 impl BlockPart {
-    /// The part's columns of `matrix`, a block's `[features, positions]`: all of it for a
-    /// whole block (most tiles, which skip the narrowing's checks and slicing).
-    fn columns<'a, E>(self, matrix: Matrix<'a, E>) -> Matrix<'a, E> {
-        if self.offset == 0 && self.count == matrix.columns {
-            matrix
-        } else {
-            matrix.columns(self.offset, self.count)
-        }
-    }
-
-    /// The part's rows of `matrix`, a block's `[positions, features]`, as
-    /// [`columns`](Self::columns).
-    fn rows<'a, E>(self, matrix: Matrix<'a, E>) -> Matrix<'a, E> {
-        if self.offset == 0 && self.count == matrix.rows {
-            matrix
-        } else {
-            matrix.rows(self.offset, self.count)
-        }
-    }
-
-    /// The part's keys (feature-major) and values where they lie in the pool's views.
+    /// The part's keys (feature-major: a block's `[features, positions]`) and values (its
+    /// `[positions, features]`) where they lie in the pool's views, each slice from the part's
+    /// first element to the end of the pool's: the tile kernels check what they read against
+    /// them, so that a tile costs two offsets, not a checked matrix of each side (the int8
+    /// step at 32 sequences took 5-6% less time, the f32 one 1-3%).
+    #[inline]
     fn tile<'a, E>(
         self,
         keys: &HeadsView<'a, E>,
         values: &HeadsView<'a, E>,
     ) -> simd::KeyTile<'a, E> {
         let (keys, values) = (
-            self.columns(keys.head(self.head)),
-            self.rows(values.head(self.head)),
+            keys.head_elements(self.head),
+            values.head_elements(self.head),
         );
         simd::KeyTile {
-            keys: keys.values,
-            key_stride: keys.row_stride,
-            values: values.values,
-            value_stride: values.row_stride,
+            keys: &keys.values[self.offset * keys.strides[3]..],
+            key_stride: keys.strides[2],
+            values: &values.values[self.offset * values.strides[2]..],
+            value_stride: values.strides[2],
             count: self.count,
         }
     }
@@ -180,13 +165,13 @@ fn tile<'a>(
                     value_scales,
                 } => {
                     // A row of one scale per position for the keys, a column for the values.
-                    let key_scales = block.columns(key_scales.head(head));
-                    let value_scales = block.rows(value_scales.head(head));
+                    let key_scales = key_scales.head_elements(head);
+                    let value_scales = value_scales.head_elements(head);
                     let scales = simd::TileScales {
-                        keys: key_scales.values,
-                        key_stride: key_scales.column_stride,
-                        values: value_scales.values,
-                        value_stride: value_scales.row_stride,
+                        keys: &key_scales.values[offset * key_scales.strides[3]..],
+                        key_stride: key_scales.strides[3],
+                        values: &value_scales.values[offset * value_scales.strides[2]..],
+                        value_stride: value_scales.strides[2],
                     };
                     Tile::Int8(block.tile(keys, values), scales)
                 }
