@@ -228,7 +228,8 @@ impl Served {
 struct Running {
     request: usize,
     id: SequenceId,
-    /// Positions it holds once it has every token it wants.
+    /// Positions it may come to hold: its prompt and every token it wants (the last, sampled
+    /// and not fed back, takes none; an upper bound).
     final_len: usize,
 }
 

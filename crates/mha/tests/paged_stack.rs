@@ -9,6 +9,7 @@ mod common;
 use std::collections::BTreeMap;
 
 use burn::tensor::{Device, Tensor};
+use common::paged_harness::check_blocks_needed;
 use common::paged_schedule::{Embeddings, Exercised, Schedule, Served};
 use common::{assert_close, panic_message, randn, row_ids, storages};
 use mha::transformer::{
@@ -289,7 +290,11 @@ impl Served for StackHarness<'_> {
     ) -> Result<(), PagedCacheError> {
         let ids = row_ids(rows);
         let before = self.state();
-        let output = match self.stack.forward_paged(x.clone(), &mut self.paged, &ids) {
+        let needed = self.paged.blocks_needed(&ids).unwrap();
+        let fits = needed <= self.paged.free_blocks();
+        let result = self.stack.forward_paged(x.clone(), &mut self.paged, &ids);
+        check_blocks_needed(&self.label(), (needed, fits), &result);
+        let output = match result {
             Ok(output) => output,
             Err(error) => {
                 let label = self.label();

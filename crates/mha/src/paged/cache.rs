@@ -7,13 +7,14 @@ use core::fmt;
 use std::collections::{BTreeMap, VecDeque};
 use std::ops::Range;
 
-use burn::tensor::{Device, Tensor};
+use burn::tensor::Tensor;
 
 use super::prefix::{PrefixIndex, Token, TokenRecord};
 use super::store::{BlockLayout, BlockStore, RowsWrite};
-use crate::cache::{CacheOwner, CacheStorage, storage_unsupported};
+use crate::cache::{CacheOwner, CacheStorage};
 
 mod error;
+mod plan;
 mod undo;
 
 pub use error::PagedCacheError;
@@ -52,7 +53,11 @@ pub struct PromptMatch {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PagedKvCacheConfig {
     /// Blocks the pool holds at most, all sequences together: the cache's memory bound. A step
-    /// that would need more is refused with [`PagedCacheError::PoolFull`].
+    /// that would need more is refused with [`PagedCacheError::PoolFull`]. The pool grows by
+    /// doubling as steps need blocks: a growth allocates the larger pool and copies the blocks
+    /// into it while the old pool is still held, so that its last growth holds one and a half
+    /// to two times the bytes of `max_blocks` blocks for a moment (size `max_blocks` with that
+    /// headroom where memory is tight).
     pub max_blocks: usize,
     /// Positions per block. Default: 16 (vLLM's). A sequence wastes at most `block_size - 1`
     /// positions of its last block, and prompts share whole blocks only. On CPUs with AVX-512
@@ -223,23 +228,12 @@ struct BlockCopy {
     to: usize,
 }
 
-/// What one sequence's part of a step takes from the pool.
-struct PlannedSequence {
-    table: BlockTable,
-    copy: Option<BlockCopy>,
-    unfile: Option<usize>,
-    /// Blocks it needs.
-    needed: usize,
-    /// Whether the pool had them all.
-    fits: bool,
-}
-
 /// A checked step: every sequence's new table, and the blocks it takes from the pool.
 #[derive(Debug)]
 pub(crate) struct PagedStep {
     pub owner: CacheOwner,
     pub sequences: Vec<SequenceStep>,
-    pool: PoolPlan,
+    pool: plan::PoolPlan,
 }
 
 /// The blocks of the pool no sequence refers to: those whose positions nothing can share,
@@ -257,50 +251,6 @@ struct FreeBlocks {
 impl FreeBlocks {
     fn len(&self) -> usize {
         self.unfiled.len() + self.filed.len()
-    }
-}
-
-/// What a step takes from the pool, without copying its free lists: the free blocks it takes
-/// from them, the blocks the pool grows by, and the blocks taken.
-#[derive(Debug)]
-struct PoolPlan {
-    /// Blocks taken from the end of the cache's unfiled free blocks.
-    free_taken: usize,
-    /// Blocks taken from the front of its filed free blocks.
-    filed_taken: usize,
-    /// Blocks the pool holds, grown for the step.
-    blocks: usize,
-    max_blocks: usize,
-    /// Blocks the pool grew by that the step has not taken, taken from the end.
-    grown: Vec<usize>,
-    taken: Vec<usize>,
-}
-
-impl PoolPlan {
-    /// An unfiled block of `free` not taken yet, else one the pool grows by (doubling, up to
-    /// its bound), else a filed one; `None` when the pool is full.
-    fn take(&mut self, free: &FreeBlocks) -> Option<usize> {
-        let block = if self.free_taken < free.unfiled.len() {
-            self.free_taken += 1;
-            free.unfiled[free.unfiled.len() - self.free_taken]
-        } else {
-            if self.grown.is_empty() && self.blocks < self.max_blocks {
-                let grown = (2 * self.blocks).clamp(self.blocks + 1, self.max_blocks);
-                // Reversed, so that blocks are taken in increasing order.
-                self.grown.extend((self.blocks..grown).rev());
-                self.blocks = grown;
-            }
-            match self.grown.pop() {
-                Some(block) => block,
-                None => {
-                    let block = *free.filed.get(self.filed_taken)?;
-                    self.filed_taken += 1;
-                    block
-                }
-            }
-        };
-        self.taken.push(block);
-        Some(block)
     }
 }
 
@@ -454,7 +404,9 @@ impl PagedKvCache {
     }
 
     /// A new sequence that continues `id` as it is now (beam search, parallel sampling): it
-    /// shares every block, and the two part at their next writes.
+    /// shares every block, and the two part at their next writes. Of the tokens `id` was told
+    /// ([`extend_tokens`](Self::extend_tokens), a prompt), the fork keeps those of the
+    /// positions it holds: tokens told ahead of a step (a prompt not yet fed) are `id`'s own.
     ///
     /// # Errors
     ///
@@ -465,7 +417,7 @@ impl PagedKvCache {
     }
 
     /// A new sequence holding the first `prefix` positions of `id` (a shared prompt), sharing
-    /// their blocks.
+    /// their blocks, and the tokens `id` was told of them.
     ///
     /// # Errors
     ///
@@ -581,134 +533,6 @@ impl PagedKvCache {
                 self.free.unfiled.push(block);
             }
         }
-    }
-
-    /// Checks a step of `sequences`' new rows by `owner` on `device`, and allocates nothing:
-    /// a refused step leaves the cache as it was.
-    pub(crate) fn begin(
-        &self,
-        owner: CacheOwner,
-        sequences: &[SequenceRows],
-        device: &Device,
-    ) -> Result<PagedStep, PagedCacheError> {
-        if let Some(cached) = self.owner
-            && cached != owner
-        {
-            return Err(PagedCacheError::OtherModule {
-                cached,
-                module: owner,
-            });
-        }
-        if let Some(reason) = storage_unsupported(self.config.storage, device) {
-            return Err(PagedCacheError::Storage { reason });
-        }
-        let mut pool = PoolPlan {
-            free_taken: 0,
-            filed_taken: 0,
-            blocks: self.refcounts.len(),
-            max_blocks: self.config.max_blocks,
-            grown: Vec::new(),
-            taken: Vec::new(),
-        };
-        // Copies-on-write of this step, per block copied from.
-        let mut copied: BTreeMap<usize, u32> = BTreeMap::new();
-        let mut needed = 0;
-        let mut refused = None;
-        let mut steps = Vec::with_capacity(sequences.len());
-        for SequenceRows { id, rows } in sequences {
-            let table = self
-                .sequences
-                .get(id)
-                .ok_or(PagedCacheError::UnknownSequence(*id))?;
-            let planned = self.plan_sequence(table, rows.len(), &mut pool, &mut copied);
-            needed += planned.needed;
-            if !planned.fits {
-                refused = refused.or(Some(*id));
-            }
-            steps.push(SequenceStep {
-                id: *id,
-                rows: rows.clone(),
-                past: table.len,
-                table: planned.table,
-                copy: planned.copy,
-                unfile: planned.unfile,
-            });
-        }
-        if let Some(sequence) = refused {
-            return Err(PagedCacheError::PoolFull {
-                sequence,
-                needed,
-                free: self.free_blocks(),
-            });
-        }
-        Ok(PagedStep {
-            owner,
-            sequences: steps,
-            pool,
-        })
-    }
-
-    /// The blocks `new` positions appended to `table` take from `pool`: a block per block
-    /// boundary crossed, and a copy of a shared, partly filled last block (counted in `copied`,
-    /// per block copied from: a block shared by `n` sequences is copied by the first `n - 1`
-    /// that write into it, and the last writes in place).
-    fn plan_sequence(
-        &self,
-        table: &BlockTable,
-        new: usize,
-        pool: &mut PoolPlan,
-        copied: &mut BTreeMap<usize, u32>,
-    ) -> PlannedSequence {
-        let block_size = self.config.block_size;
-        let past = table.len;
-        let mut planned = PlannedSequence {
-            table: BlockTable {
-                blocks: table.blocks.clone(),
-                len: past + new,
-            },
-            copy: None,
-            unfile: None,
-            needed: 0,
-            fits: true,
-        };
-        let partial_block =
-            (!past.is_multiple_of(block_size) && new > 0).then(|| table.blocks[past / block_size]);
-        // A partial block is copied before the write if another sequence still refers to it,
-        // or if it is filed (whole for the sequence it was forked from, which may have left):
-        // a filed block's positions must stay what its tokens say.
-        let holders =
-            |block: usize| self.refcounts[block] - copied.get(&block).copied().unwrap_or(0);
-        let shared_partial_block =
-            partial_block.filter(|&block| holders(block) > 1 || self.prefixes.is_filed(block));
-        let new_blocks = planned.table.len.div_ceil(block_size) - table.blocks.len();
-        planned.needed = new_blocks;
-        if let Some(from) = shared_partial_block {
-            let sole_holder = holders(from) == 1;
-            // Counted whether or not the pool has the block, so that the sharers after this one
-            // are counted as the step would run: the last one writing in place.
-            *copied.entry(from).or_default() += 1;
-            match pool.take(&self.free) {
-                Some(to) => {
-                    planned.needed += 1;
-                    planned.copy = Some(BlockCopy { from, to });
-                    *planned.table.blocks.last_mut().expect("a partial block") = to;
-                }
-                // Only the filing asks for the copy: without a block for it, the sequence loses
-                // the cached prefix rather than its step.
-                None if sole_holder => planned.unfile = Some(from),
-                None => {
-                    planned.needed += 1;
-                    planned.fits = false;
-                }
-            }
-        }
-        for _ in 0..new_blocks {
-            match pool.take(&self.free) {
-                Some(block) => planned.table.blocks.push(block),
-                None => planned.fits = false,
-            }
-        }
-        planned
     }
 
     /// Takes the step's blocks, copies the shared blocks it writes into, and stores the new

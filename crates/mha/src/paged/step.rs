@@ -29,7 +29,11 @@ impl MultiHeadAttention {
     /// RoPE and ALiBi at the sequence's own positions.
     ///
     /// Every sequence gets the outputs [`forward_cached`](Self::forward_cached) gives it alone
-    /// with a [`KvCache`](crate::KvCache) of the same storage and `.causal()`.
+    /// with a [`KvCache`](crate::KvCache) of the same storage and `.causal()`. Under a sliding
+    /// `window` each query sees its window only, but the cache keeps every position a sequence
+    /// stored: blocks wholly behind the window are not freed (where a `KvCache` with
+    /// [`CacheLimit::SlidingWindow`](crate::CacheLimit) keeps only the window), so a sequence's
+    /// blocks grow with its length.
     ///
     /// On flex and ndarray (an f32 module, float, f16 (flex) or int8 storage, no
     /// `add_bias_kv`/`add_zero_attn`, outside autodiff) a native kernel reads the keys and
@@ -88,7 +92,7 @@ impl MultiHeadAttention {
              of `input`; give one per row",
             sequences.len()
         );
-        let runs = sequence_rows(sequences);
+        let runs = sequence_rows("MultiHeadAttention::forward_paged", sequences);
         let device = input.device();
         let step = cache.begin(self.cache_owner(), &runs, &device)?;
         let positions: Vec<usize> = step
@@ -198,7 +202,7 @@ pub(crate) const IN_PLACE_ROWS: usize = 32;
 /// # Panics
 ///
 /// If a sequence's rows are not consecutive.
-fn sequence_rows(sequences: &[SequenceId]) -> Vec<SequenceRows> {
+pub(super) fn sequence_rows(caller: &str, sequences: &[SequenceId]) -> Vec<SequenceRows> {
     let mut runs: Vec<SequenceRows> = Vec::new();
     for (row, &id) in sequences.iter().enumerate() {
         match runs.last_mut() {
@@ -206,7 +210,7 @@ fn sequence_rows(sequences: &[SequenceId]) -> Vec<SequenceRows> {
             _ => {
                 assert!(
                     runs.iter().all(|run| run.id != id),
-                    "MultiHeadAttention::forward_paged: the rows of {id} in `sequences` are not \
+                    "{caller}: the rows of {id} in `sequences` are not \
                      consecutive (row {row} follows another sequence's); give each sequence's \
                      new tokens side by side"
                 );

@@ -97,9 +97,34 @@ impl PagedTransformerCache {
         self.layers[0].is_empty()
     }
 
+    /// The sequences of the cache, in the order they were added.
+    pub fn sequences(&self) -> impl Iterator<Item = SequenceId> + '_ {
+        self.layers[0].sequences()
+    }
+
     /// Blocks a step may still take, in each layer.
     pub fn free_blocks(&self) -> usize {
         self.layers[0].free_blocks()
+    }
+
+    /// Blocks some sequence refers to, in each layer.
+    pub fn blocks_in_use(&self) -> usize {
+        self.layers[0].blocks_in_use()
+    }
+
+    /// The blocks a step of `sequences` would take from each layer's pool
+    /// ([`PagedKvCache::blocks_needed`]): the step fits if and only if they are at most
+    /// [`free_blocks`](Self::free_blocks).
+    ///
+    /// # Errors
+    ///
+    /// As [`PagedKvCache::blocks_needed`].
+    ///
+    /// # Panics
+    ///
+    /// As [`PagedKvCache::blocks_needed`].
+    pub fn blocks_needed(&self, sequences: &[SequenceId]) -> Result<usize, PagedCacheError> {
+        self.layers[0].blocks_needed(sequences)
     }
 
     /// Bytes of the blocks in use, all layers together.
@@ -187,6 +212,8 @@ impl TransformerEncoderLayer {
 impl TransformerEncoder {
     /// An empty paged cache for [`forward_paged`](Self::forward_paged): a pool of `config` per
     /// layer.
+    /// Layers with a sliding `window` keep every position in their pools, not only the window
+    /// ([`MultiHeadAttention::forward_paged`](crate::MultiHeadAttention::forward_paged)).
     ///
     /// # Panics
     ///

@@ -142,7 +142,11 @@ impl<'a> Harness<'a> {
     ) -> Result<(), PagedCacheError> {
         let ids = row_ids(rows);
         let before = self.pool_state();
-        let output = match self.module.forward_paged(x.clone(), &mut self.paged, &ids) {
+        let needed = self.paged.blocks_needed(&ids).unwrap();
+        let fits = needed <= self.paged.free_blocks();
+        let result = self.module.forward_paged(x.clone(), &mut self.paged, &ids);
+        check_blocks_needed(&self.label, (needed, fits), &result);
+        let output = match result {
             Ok(output) => output,
             Err(error) => {
                 assert_eq!(
@@ -263,5 +267,27 @@ impl Served for Harness<'_> {
             "{}: every block back in the pool",
             self.label
         );
+    }
+}
+
+/// Panics unless a step's `result` agrees with what `blocks_needed` said before it: it fits if
+/// and only if the blocks it needs are at most the free ones, and a full pool's refusal names
+/// as many.
+pub fn check_blocks_needed<T>(
+    label: &str,
+    (needed, fits): (usize, bool),
+    result: &Result<T, PagedCacheError>,
+) {
+    match result {
+        Err(PagedCacheError::PoolFull {
+            needed: refused, ..
+        }) => assert!(
+            !fits && *refused == needed,
+            "{label}: refused for {refused} blocks where blocks_needed said {needed} (fits: {fits})"
+        ),
+        _ => assert!(
+            fits,
+            "{label}: the step ran where blocks_needed said {needed} did not fit"
+        ),
     }
 }

@@ -5,7 +5,10 @@ use core::fmt;
 use super::SequenceId;
 use crate::cache::CacheOwner;
 
-/// Why a paged step or a sequence operation was refused. The cache is left unchanged.
+/// Why a paged step or a sequence operation was refused. No sequence is changed; a step of a
+/// [`PagedTransformerCache`](crate::transformer::PagedTransformerCache) that a later layer
+/// refuses ([`BeyondHalfRange`](Self::BeyondHalfRange)) may leave fewer blocks filed for later
+/// prompts to share.
 #[derive(Debug, Clone, PartialEq)]
 pub enum PagedCacheError {
     /// The pool has too few free blocks for the step: no sequence's state was touched.
@@ -71,7 +74,8 @@ impl fmt::Display for PagedCacheError {
                 len,
             } => write!(
                 f,
-                "paged KV cache: a prefix of {prefix} positions of {sequence}, which holds {len}"
+                "paged KV cache: fork_prefix: `prefix` is {prefix} positions, but {sequence} \
+                 holds only {len}"
             ),
             Self::Storage { reason } => write!(f, "paged KV cache storage: {reason}"),
             Self::BeyondHalfRange { largest } => write!(

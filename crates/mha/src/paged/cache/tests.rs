@@ -3,6 +3,7 @@
 
 use super::*;
 use burn::module::ParamId;
+use burn::tensor::Device;
 
 fn owner() -> CacheOwner {
     CacheOwner {
@@ -38,10 +39,72 @@ fn step(
     let device = Device::flex();
     let runs: Vec<_> = ids.iter().copied().zip(rows.iter().copied()).collect();
     let (sequences, rows) = sequence_rows(&runs);
-    let step = cache.begin(owner, &sequences, &device)?;
+    let needed = cache.blocks_needed(&row_ids(&runs))?;
+    let free = cache.free_blocks();
+    let step = match cache.begin(owner, &sequences, &device) {
+        Ok(step) => {
+            assert!(
+                needed <= free,
+                "the step ran though it needs {needed} of {free} blocks"
+            );
+            step
+        }
+        Err(error) => {
+            if let PagedCacheError::PoolFull {
+                needed: refused, ..
+            } = error
+            {
+                assert!(
+                    refused == needed && needed > free,
+                    "{error}: {needed} needed"
+                );
+            }
+            return Err(error);
+        }
+    };
     let keys = Tensor::<4>::ones([1, 1, rows, 2], &device);
     cache.store(&step, &keys, &keys);
     Ok(())
+}
+
+/// A step's ids, one per row, for `runs` of (sequence, new positions).
+fn row_ids(runs: &[(SequenceId, usize)]) -> Vec<SequenceId> {
+    runs.iter()
+        .flat_map(|&(id, count)| std::iter::repeat_n(id, count))
+        .collect()
+}
+
+#[test]
+fn blocks_needed_counts_new_blocks_and_copies_on_write_and_changes_nothing() {
+    let owner = owner();
+    let mut cache = PagedKvCacheConfig::new(8).with_block_size(4).init();
+    let a = cache.add_sequence();
+    // Five positions: two blocks; then three more fill the second.
+    assert_eq!(cache.blocks_needed(&[a; 5]), Ok(2));
+    step(&mut cache, owner, &[a], &[5]).unwrap();
+    assert_eq!(cache.blocks_needed(&[a; 3]), Ok(0));
+    // A fork shares the partial block: the first of the two to write copies it, the other
+    // writes in place.
+    let b = cache.fork(a).unwrap();
+    assert_eq!(cache.blocks_needed(&[a]), Ok(1));
+    assert_eq!(cache.blocks_needed(&[a, b]), Ok(1));
+    assert_eq!(cache.blocks_needed(&[a, a, a, a, b]), Ok(2));
+    let free = cache.free_blocks();
+    assert_eq!(free, 6);
+    assert_eq!(cache.blocks_in_use(), 2);
+    let unknown = SequenceId(99);
+    assert_eq!(
+        cache.blocks_needed(&[a, unknown]),
+        Err(PagedCacheError::UnknownSequence(unknown))
+    );
+}
+
+#[test]
+#[should_panic(expected = "PagedKvCache::blocks_needed: the rows of")]
+fn blocks_needed_of_a_sequence_in_two_runs_of_rows_panics() {
+    let mut cache = PagedKvCacheConfig::new(8).init();
+    let (a, b) = (cache.add_sequence(), cache.add_sequence());
+    let _ = cache.blocks_needed(&[a, b, a]);
 }
 
 #[test]
@@ -210,13 +273,20 @@ fn forks_share_blocks_until_a_write_copies_the_partial_one() {
     cache.remove_sequence(parent).unwrap();
     cache.remove_sequence(child).unwrap();
     assert_eq!(cache.blocks_in_use(), 2);
+    let error = cache.fork_prefix(prefix, 9).unwrap_err();
     assert_eq!(
-        cache.fork_prefix(prefix, 9),
-        Err(PagedCacheError::PrefixTooLong {
+        error,
+        PagedCacheError::PrefixTooLong {
             sequence: prefix,
             prefix: 9,
             len: 5
-        })
+        }
+    );
+    // The message names the call, its argument and the sequence's length.
+    let message = error.to_string();
+    assert!(
+        message.contains("fork_prefix: `prefix` is 9 positions") && message.contains("only 5"),
+        "{message}"
     );
 }
 
