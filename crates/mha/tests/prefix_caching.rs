@@ -292,10 +292,14 @@ fn random_schedules_of_joins_forks_leaves_and_refusals_equal_decoding_each_seque
         for (case, (label, config)) in configs.into_iter().enumerate() {
             let module = with_random_sinks(config.init(&device), &device);
             for storage in storages(&device) {
-                for (block_size, max_blocks, seed) in [(4, 24, 1), (4, 24, 2), (16, 8, 3)] {
+                // The last pool allocated whole on its first step.
+                for (block_size, max_blocks, initial_blocks, seed) in
+                    [(4, 24, 0, 1), (4, 24, 0, 2), (16, 8, 8, 3)]
+                {
                     let label = format!("{name} {label} {storage:?} blocks of {block_size}");
                     let pool = PagedKvCacheConfig::new(max_blocks)
                         .with_block_size(block_size)
+                        .with_initial_blocks(initial_blocks)
                         .with_storage(storage);
                     let mut harness = Harness::new(&module, &device, pool, label, 1e-5);
                     let seed = 1000 * case as u64 + seed;

@@ -201,8 +201,9 @@ impl<'a> Harness<'a> {
         }
     }
 
-    /// The pool's blocks add up: those in use and those free make its bound, and the blocks in
-    /// use are at most one per started block of each sequence (fewer where they share).
+    /// The pool's blocks add up: those in use and those free make its bound, the pool once
+    /// allocated holds its initial blocks, and the blocks in use are at most one per started
+    /// block of each sequence (fewer where they share).
     pub fn check_pool(&self) {
         let config = self.paged.config();
         assert_eq!(
@@ -210,6 +211,13 @@ impl<'a> Harness<'a> {
             config.max_blocks,
             "{}: blocks in use and free",
             self.label
+        );
+        let reserved = self.paged.reserved_blocks();
+        assert!(
+            reserved == 0 || reserved >= config.initial_blocks,
+            "{}: {reserved} blocks allocated, fewer than the {} initial ones",
+            self.label,
+            config.initial_blocks
         );
         let block_size = self.paged.block_size();
         let started: usize = self

@@ -45,21 +45,26 @@ pub(super) struct PoolPlan {
     /// Blocks the pool holds, grown for the step.
     pub(super) blocks: usize,
     max_blocks: usize,
+    /// Blocks the pool's first growth reaches at least (`PagedKvCacheConfig::initial_blocks`).
+    initial_blocks: usize,
     /// Blocks the pool grew by that the step has not taken, taken from the end.
     pub(super) grown: Vec<usize>,
     pub(super) taken: Vec<usize>,
 }
 
 impl PoolPlan {
-    /// An unfiled block of `free` not taken yet, else one the pool grows by (doubling, up to
-    /// its bound), else a filed one; `None` when the pool is full.
+    /// An unfiled block of `free` not taken yet, else one the pool grows by (doubling, from
+    /// `initial_blocks` at least, up to its bound), else a filed one; `None` when the pool is
+    /// full.
     fn take(&mut self, free: &FreeBlocks) -> Option<usize> {
         let block = if self.free_taken < free.unfiled.len() {
             self.free_taken += 1;
             free.unfiled[free.unfiled.len() - self.free_taken]
         } else {
             if self.grown.is_empty() && self.blocks < self.max_blocks {
-                let grown = (2 * self.blocks).clamp(self.blocks + 1, self.max_blocks);
+                let grown = (2 * self.blocks)
+                    .max(self.initial_blocks)
+                    .clamp(self.blocks + 1, self.max_blocks);
                 // Reversed, so that blocks are taken in increasing order.
                 self.grown.extend((self.blocks..grown).rev());
                 self.blocks = grown;
@@ -141,6 +146,7 @@ impl PagedKvCache {
             filed_taken: 0,
             blocks: self.refcounts.len(),
             max_blocks: self.config.max_blocks,
+            initial_blocks: self.config.initial_blocks,
             grown: Vec::new(),
             taken: Vec::new(),
         };

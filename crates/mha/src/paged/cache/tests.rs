@@ -490,3 +490,70 @@ fn int8_steps_are_taken_back_the_first_a_filed_block_written_in_place_and_one_co
     assert!(taken_back(&mut cache, &[(fork, 2)]).is_empty());
     assert_eq!(cache.add_sequence_with_prompt(&prompt).cached, 8);
 }
+
+#[test]
+fn initial_blocks_are_allocated_on_the_first_step_and_the_pool_doubles_from_there() {
+    let owner = owner();
+    let mut cache = PagedKvCacheConfig::new(20)
+        .with_block_size(4)
+        .with_initial_blocks(6)
+        .init();
+    let a = cache.add_sequence();
+    assert_eq!(cache.reserved_blocks(), 0, "allocated when a step needs it");
+    step(&mut cache, owner, &[a], &[5]).unwrap();
+    let counts = |cache: &PagedKvCache| {
+        let allocated = cache.stores().map(|(keys, _)| keys.blocks());
+        (cache.reserved_blocks(), allocated, cache.blocks_in_use())
+    };
+    assert_eq!(counts(&cache), (6, Some(6), 2));
+    assert_eq!(cache.free_blocks(), 18);
+    // 20 positions more take 5 blocks more, beyond the first 6: doubled to 12.
+    step(&mut cache, owner, &[a], &[20]).unwrap();
+    assert_eq!(counts(&cache), (12, Some(12), 7));
+    assert_eq!(cache.table(a).unwrap().blocks, (0..7).collect::<Vec<_>>());
+}
+
+#[test]
+fn a_pool_allocated_whole_never_grows_and_refuses_beyond_it() {
+    let owner = owner();
+    let mut cache = PagedKvCacheConfig::new(8)
+        .with_block_size(4)
+        .with_initial_blocks(8)
+        .init();
+    let (a, b) = (cache.add_sequence(), cache.add_sequence());
+    step(&mut cache, owner, &[a], &[1]).unwrap();
+    let bytes = cache.reserved_bytes();
+    assert_eq!(
+        (cache.reserved_blocks(), bytes),
+        (8, 8 * cache.block_bytes())
+    );
+    step(&mut cache, owner, &[a, b], &[15, 16]).unwrap();
+    assert_eq!((cache.blocks_in_use(), cache.free_blocks()), (8, 0));
+    assert_eq!(cache.reserved_bytes(), bytes);
+    assert_eq!(
+        step(&mut cache, owner, &[b], &[1]),
+        Err(PagedCacheError::PoolFull {
+            sequence: b,
+            needed: 1,
+            free: 0
+        })
+    );
+}
+
+#[test]
+fn a_first_step_allocating_the_initial_blocks_is_taken_back() {
+    let mut cache = PagedKvCacheConfig::new(8)
+        .with_block_size(4)
+        .with_initial_blocks(8)
+        .init();
+    cache.keep_undo();
+    let a = cache.add_sequence();
+    assert!(taken_back(&mut cache, &[(a, 5)]).is_empty());
+    assert_eq!((cache.reserved_blocks(), cache.free_blocks()), (0, 8));
+}
+
+#[test]
+#[should_panic(expected = "`initial_blocks` (9) must be at most `max_blocks` (8)")]
+fn initial_blocks_beyond_max_blocks_panic() {
+    let _ = PagedKvCacheConfig::new(8).with_initial_blocks(9).init();
+}
