@@ -228,6 +228,17 @@ impl<'a> StackHarness<'a> {
             "{}: the layers' blocks in use, free and filed differ: {layers:?}",
             self.label()
         );
+        for &id in self.alone.keys() {
+            let told = self.paged.tokens(id);
+            assert!(
+                self.paged
+                    .layers()
+                    .iter()
+                    .all(|layer| layer.tokens(id) == told),
+                "{}: the layers hold different tokens of {id:?}",
+                self.label()
+            );
+        }
     }
 
     fn state(&self) -> StackState {

@@ -481,6 +481,15 @@ impl PagedKvCache {
         Ok(forked)
     }
 
+    /// The tokens `id` was told ([`add_sequence_with_prompt`](Self::add_sequence_with_prompt),
+    /// [`extend_tokens`](Self::extend_tokens), those of the positions a fork took over), token
+    /// `i` the one at position `i`; they run ahead of the positions it holds
+    /// ([`len`](Self::len)) until a step feeds them. `None` if `id` is not a sequence of this
+    /// cache.
+    pub fn tokens(&self, id: SequenceId) -> Option<&[Token]> {
+        self.records.get(&id).map(|record| record.tokens.as_slice())
+    }
+
     /// Positions `id` holds, or `None` if it is not a sequence of this cache.
     pub fn len(&self, id: SequenceId) -> Option<usize> {
         self.sequences.get(&id).map(|table| table.len)

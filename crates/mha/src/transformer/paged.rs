@@ -87,6 +87,11 @@ impl PagedTransformerCache {
         self.each(|cache| cache.fork_prefix(id, prefix))
     }
 
+    /// The tokens `id` was told, as [`PagedKvCache::tokens`] (every layer was told the same).
+    pub fn tokens(&self, id: SequenceId) -> Option<&[Token]> {
+        self.layers[0].tokens(id)
+    }
+
     /// Positions `id` holds, or `None` if it is not a sequence of the cache.
     pub fn len(&self, id: SequenceId) -> Option<usize> {
         self.layers[0].len(id)

@@ -557,3 +557,28 @@ fn a_first_step_allocating_the_initial_blocks_is_taken_back() {
 fn initial_blocks_beyond_max_blocks_panic() {
     let _ = PagedKvCacheConfig::new(8).with_initial_blocks(9).init();
 }
+
+#[test]
+fn a_sequence_gives_the_tokens_it_was_told_and_a_fork_those_of_its_positions() {
+    let owner = owner();
+    let mut cache = PagedKvCacheConfig::new(8).with_block_size(2).init();
+    let a = cache.add_sequence_with_prompt(&[1, 2, 3, 4, 5]).id;
+    assert_eq!(
+        cache.tokens(a),
+        Some(&[1, 2, 3, 4, 5][..]),
+        "ahead of its positions"
+    );
+    assert_eq!(cache.len(a), Some(0));
+    step(&mut cache, owner, &[a], &[5]).unwrap();
+    cache.extend_tokens(a, &[6]).unwrap();
+    assert_eq!(cache.tokens(a), Some(&[1, 2, 3, 4, 5, 6][..]));
+    let fork = cache.fork_prefix(a, 3).unwrap();
+    assert_eq!(cache.tokens(fork), Some(&[1, 2, 3][..]));
+    // Of `a`'s tokens the fork keeps those of the positions it holds, not 6, told ahead.
+    let whole = cache.fork(a).unwrap();
+    assert_eq!(cache.tokens(whole), Some(&[1, 2, 3, 4, 5][..]));
+    let untold = cache.add_sequence();
+    assert_eq!(cache.tokens(untold), Some(&[][..]));
+    cache.remove_sequence(a).unwrap();
+    assert_eq!(cache.tokens(a), None);
+}
