@@ -215,7 +215,9 @@ fn a_shared_prompt_is_stored_once_and_each_continuation_equals_decoding_it_alone
         assert_eq!(harness.paged.blocks_in_use(), 3);
         // Four requests continue the prompt's first 8 positions (two whole blocks), two
         // continue all 10 (sharing the partly filled third block until each writes into it).
-        let prefixed: Vec<SequenceId> = (0..4).map(|_| harness.fork_prefix(prompt, 8)).collect();
+        let prefixed: Vec<SequenceId> = (0..4)
+            .map(|_| harness.fork_prefix(prompt, 8).unwrap())
+            .collect();
         let forks: Vec<SequenceId> = (0..2).map(|_| harness.fork(prompt)).collect();
         assert_eq!(harness.paged.blocks_in_use(), 3, "forks share every block");
         let mut rows: Vec<(SequenceId, usize)> = prefixed.iter().map(|&id| (id, 1)).collect();

@@ -90,10 +90,12 @@ fn a_stack_refuses_a_step_its_pools_cannot_hold_and_every_layer_keeps_its_state(
 #[test]
 fn random_schedules_through_a_stack_equal_decoding_each_sequence_alone_through_it() {
     let mut exercised = Exercised::default();
-    for name in ["flex", "ndarray"] {
+    // On flex, a stack under a window of 7 too: its layers give back the blocks behind it.
+    let stacks = [("flex", None), ("ndarray", None), ("flex", Some(7))];
+    for (name, window) in stacks {
         let device = common::device_by_name(name).unwrap();
         let _seed = common::seed(&device, 47);
-        let stack = common::causal_stack(D_MODEL, &device);
+        let stack = common::causal_stack_in_window(D_MODEL, window, &device);
         let embeddings = Embeddings::new(D_MODEL, &device);
         for storage in storages(&device) {
             // The second pool allocated whole on its first step.
@@ -146,11 +148,11 @@ struct StackHarness<'a> {
     overflowing: Option<TransformerEncoder>,
 }
 
-/// What a refused step must leave as it was: every sequence's length and each layer's blocks
-/// in use, free and filed.
+/// What a refused step must leave as it was: every sequence's length and first position held,
+/// and each layer's blocks in use, free and filed.
 #[derive(Debug, PartialEq, Eq)]
 struct StackState {
-    lens: Vec<(SequenceId, Option<usize>)>,
+    lens: Vec<(SequenceId, Option<usize>, Option<usize>)>,
     layers: Vec<[usize; 3]>,
 }
 
@@ -230,12 +232,13 @@ impl<'a> StackHarness<'a> {
         );
         for &id in self.alone.keys() {
             let told = self.paged.tokens(id);
+            let first_held = self.paged.first_held(id);
             assert!(
                 self.paged
                     .layers()
                     .iter()
-                    .all(|layer| layer.tokens(id) == told),
-                "{}: the layers hold different tokens of {id:?}",
+                    .all(|layer| layer.tokens(id) == told && layer.first_held(id) == first_held),
+                "{}: the layers hold different tokens or positions of {id:?}",
                 self.label()
             );
         }
@@ -246,7 +249,7 @@ impl<'a> StackHarness<'a> {
             lens: self
                 .alone
                 .keys()
-                .map(|&id| (id, self.paged.len(id)))
+                .map(|&id| (id, self.paged.len(id), self.paged.first_held(id)))
                 .collect(),
             layers: self
                 .paged
@@ -283,11 +286,24 @@ impl Served for StackHarness<'_> {
         id
     }
 
-    fn fork_prefix(&mut self, parent: SequenceId, prefix: usize) -> SequenceId {
-        let id = self.paged.fork_prefix(parent, prefix).unwrap();
+    fn fork_prefix(&mut self, parent: SequenceId, prefix: usize) -> Option<SequenceId> {
+        let id = match self.paged.fork_prefix(parent, prefix) {
+            Ok(id) => id,
+            Err(PagedCacheError::PrefixReleased { first_held, .. }) => {
+                let window = self.stack.layers[0].attention.window().unwrap();
+                assert!(
+                    Some(first_held) == self.paged.first_held(parent)
+                        && prefix + 1 < first_held + window,
+                    "{}: a fork of {prefix} refused, {first_held} first held",
+                    self.label()
+                );
+                return None;
+            }
+            Err(error) => panic!("{}: fork_prefix: {error}", self.label()),
+        };
         let tokens = Tensor::cat(self.tokens[&parent].clone(), 0).narrow(0, 0, prefix);
         self.add_reference(id, Some(tokens));
-        id
+        Some(id)
     }
 
     fn remove(&mut self, id: SequenceId) {
@@ -335,10 +351,15 @@ impl Served for StackHarness<'_> {
                 expected,
                 self.tolerance,
             );
-            assert_eq!(
-                self.paged.len(id),
-                Some(self.tokens[&id].iter().map(|t| t.dims()[0]).sum())
-            );
+            let len: usize = self.tokens[&id].iter().map(|t| t.dims()[0]).sum();
+            assert_eq!(self.paged.len(id), Some(len));
+            // Every layer gives back its blocks wholly behind its next query's window.
+            let window = self.stack.layers[0].attention.window();
+            let block_size = self.paged.layers()[0].block_size();
+            let first_held = window.map_or(0, |window| {
+                (len + 1).saturating_sub(window) / block_size * block_size
+            });
+            assert_eq!(self.paged.first_held(id), Some(first_held), "{label}");
             start += n;
         }
         Ok(())

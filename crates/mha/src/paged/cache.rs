@@ -140,6 +140,7 @@ impl PagedKvCacheConfig {
             prefixes: PrefixIndex::default(),
             next_id: 0,
             owner: None,
+            window: None,
         }
     }
 }
@@ -195,6 +196,8 @@ pub struct PagedKvCache {
     next_id: u64,
     /// The module whose keys and values the cache holds, once a step stored some.
     owner: Option<CacheOwner>,
+    /// That module's sliding window, behind which sequences give their blocks back.
+    window: Option<usize>,
     /// What the last step changed, kept only for a layer of a [`PagedTransformerCache`]
     /// (`undo.rs`), so that the stack can take a step back that a later layer refused.
     ///
@@ -213,12 +216,33 @@ enum UndoLog {
 }
 
 /// Where one sequence's positions live: position `p` is at offset `p % block_size` of block
-/// `blocks[p / block_size]`.
+/// `blocks[p / block_size]`, from the first block it still holds on.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub(crate) struct BlockTable {
+    /// A block per started block of positions; [`RELEASED`] for the first `released`.
     pub blocks: Vec<usize>,
     /// Positions stored.
     pub len: usize,
+    /// Leading blocks given back to the pool because every position in them lies behind the
+    /// module's sliding window for every query the sequence will still run
+    /// ([`PagedKvCache::release_behind_window`]).
+    pub released: usize,
+}
+
+/// What a block table holds in place of a block it gave back: no pool has a block of that
+/// number, so a read through it panics instead of reading another sequence's positions.
+pub(crate) const RELEASED: usize = usize::MAX;
+
+impl BlockTable {
+    /// The blocks the sequence holds, from its first not given back.
+    pub fn held(&self) -> &[usize] {
+        &self.blocks[self.released..]
+    }
+
+    /// The first position whose keys and values the sequence holds.
+    pub fn first_held(&self, block_size: usize) -> usize {
+        self.released * block_size
+    }
 }
 
 /// A sequence's rows in one step: rows `rows` of the step's input are its new tokens.
@@ -258,6 +282,9 @@ pub(crate) struct PagedStep {
     pub owner: CacheOwner,
     pub sequences: Vec<SequenceStep>,
     pool: plan::PoolPlan,
+    /// The module's sliding window: after the step, each sequence gives back its blocks wholly
+    /// behind it.
+    window: Option<usize>,
 }
 
 /// The blocks of the pool no sequence refers to: those whose positions nothing can share,
@@ -371,6 +398,7 @@ impl PagedKvCache {
             BlockTable {
                 blocks: matched.iter().map(|matched| matched.block).collect(),
                 len: cached,
+                released: 0,
             },
         );
         self.records.insert(
@@ -395,6 +423,10 @@ impl PagedKvCache {
         let known = table.len.min(record.tokens.len()) / block_size;
         while record.filed.len() < known {
             let index = record.filed.len();
+            if index < table.released {
+                // Given back before its tokens were told: another sequence may hold it now.
+                break;
+            }
             let tokens = &record.tokens[index * block_size..][..block_size];
             let block = table.blocks[index];
             let was_filed = self.prefixes.is_filed(block);
@@ -421,7 +453,7 @@ impl PagedKvCache {
             .remove(&id)
             .ok_or(PagedCacheError::UnknownSequence(id))?;
         self.records.remove(&id);
-        for block in table.blocks {
+        for &block in table.held() {
             self.release_block(block);
         }
         Ok(())
@@ -446,12 +478,43 @@ impl PagedKvCache {
     /// # Errors
     ///
     /// [`PagedCacheError::UnknownSequence`] if `id` is not a sequence of this cache,
-    /// [`PagedCacheError::PrefixTooLong`] if it holds fewer than `prefix` positions.
+    /// [`PagedCacheError::PrefixTooLong`] if it holds fewer than `prefix` positions,
+    /// [`PagedCacheError::PrefixReleased`] if the fork's next query would see positions that
+    /// `id` gave back behind the module's sliding window
+    /// ([`first_held`](Self::first_held)).
     pub fn fork_prefix(
         &mut self,
         id: SequenceId,
         prefix: usize,
     ) -> Result<SequenceId, PagedCacheError> {
+        self.check_fork_prefix(id, prefix)?;
+        let table = &self.sequences[&id];
+        let block_size = self.config.block_size;
+        let blocks = table.blocks[..prefix.div_ceil(block_size)].to_vec();
+        let released = table.released.min(blocks.len());
+        for &block in &blocks[released..] {
+            self.refcounts[block] += 1;
+        }
+        let record = self.records[&id].prefix(prefix, block_size);
+        let forked = self.add_sequence();
+        self.sequences.insert(
+            forked,
+            BlockTable {
+                blocks,
+                len: prefix,
+                released,
+            },
+        );
+        self.records.insert(forked, record);
+        Ok(forked)
+    }
+
+    /// The refusal [`fork_prefix`](Self::fork_prefix) would give, if any.
+    pub(crate) fn check_fork_prefix(
+        &self,
+        id: SequenceId,
+        prefix: usize,
+    ) -> Result<(), PagedCacheError> {
         let table = self
             .sequences
             .get(&id)
@@ -463,22 +526,19 @@ impl PagedKvCache {
                 len: table.len,
             });
         }
-        let block_size = self.config.block_size;
-        let blocks = table.blocks[..prefix.div_ceil(block_size)].to_vec();
-        for &block in &blocks {
-            self.refcounts[block] += 1;
+        // The positions the fork's next query (at `prefix`) sees before its own.
+        let seen = self
+            .window
+            .map_or(0, |window| (prefix + 1).saturating_sub(window))..prefix;
+        let first_held = table.first_held(self.config.block_size);
+        if !seen.is_empty() && seen.start < first_held {
+            return Err(PagedCacheError::PrefixReleased {
+                sequence: id,
+                prefix,
+                first_held,
+            });
         }
-        let record = self.records[&id].prefix(prefix, block_size);
-        let forked = self.add_sequence();
-        self.sequences.insert(
-            forked,
-            BlockTable {
-                blocks,
-                len: prefix,
-            },
-        );
-        self.records.insert(forked, record);
-        Ok(forked)
+        Ok(())
     }
 
     /// The tokens `id` was told ([`add_sequence_with_prompt`](Self::add_sequence_with_prompt),
@@ -493,6 +553,18 @@ impl PagedKvCache {
     /// Positions `id` holds, or `None` if it is not a sequence of this cache.
     pub fn len(&self, id: SequenceId) -> Option<usize> {
         self.sequences.get(&id).map(|table| table.len)
+    }
+
+    /// The first of `id`'s positions whose keys and values the cache still holds: 0, or under
+    /// a module with a sliding `window` the first position of the first block not wholly
+    /// behind the window of `id`'s next query (position [`len`](Self::len)). The blocks before
+    /// it went back to the pool after the step that left them behind. `None` if `id` is not a
+    /// sequence of this cache.
+    pub fn first_held(&self, id: SequenceId) -> Option<usize> {
+        let block_size = self.config.block_size;
+        self.sequences
+            .get(&id)
+            .map(|table| table.first_held(block_size))
     }
 
     /// The sequences of the cache, in the order they were added.
@@ -530,7 +602,8 @@ impl PagedKvCache {
             .sum()
     }
 
-    /// Bytes of the blocks in use: within one block per sequence of the positions stored.
+    /// Bytes of the blocks in use: within one block per sequence of the positions held (from
+    /// [`first_held`](Self::first_held) on).
     pub fn bytes_in_use(&self) -> usize {
         self.blocks_in_use() * self.block_bytes()
     }
@@ -555,6 +628,31 @@ impl PagedKvCache {
     /// Blocks filed by their tokens (in use or free), which later prompts may share.
     pub fn filed_blocks(&self) -> usize {
         self.prefixes.len()
+    }
+
+    /// Gives back to the pool `id`'s leading blocks that lie wholly behind the window of its
+    /// next query (at position `len`): no later query of the sequence sees them, since each
+    /// sees the `window` positions up to its own. Gives the blocks released, in order.
+    ///
+    /// The step that left them behind reads them still: its attention reads through the
+    /// step's own tables, and nothing writes to the pool between the store and the reads.
+    fn release_behind_window(&mut self, id: SequenceId) -> Vec<usize> {
+        let (Some(window), Some(table)) = (self.window, self.sequences.get_mut(&id)) else {
+            return Vec::new();
+        };
+        let behind = (table.len + 1).saturating_sub(window) / self.config.block_size;
+        let mut released = Vec::new();
+        while table.released < behind {
+            released.push(std::mem::replace(
+                &mut table.blocks[table.released],
+                RELEASED,
+            ));
+            table.released += 1;
+        }
+        for &block in &released {
+            self.release_block(block);
+        }
+        released
     }
 
     fn release_block(&mut self, block: usize) {
@@ -634,10 +732,13 @@ impl PagedKvCache {
             self.sequences.insert(sequence.id, sequence.table.clone());
         }
         self.owner = Some(step.owner);
+        self.window = step.window;
         for sequence in &step.sequences {
             let filed = self.file_whole_blocks(sequence.id);
+            let released = self.release_behind_window(sequence.id);
             if let Some(undo) = &mut undo {
                 undo.newly_filed.extend(filed);
+                undo.released.extend(released);
             }
         }
         if let UndoLog::On(last) = &mut self.undo {

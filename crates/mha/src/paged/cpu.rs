@@ -45,10 +45,13 @@ pub(crate) struct PagedSequence {
     pub rows: Range<usize>,
     /// Positions stored in the blocks before the step; the new ones come from the step's rows.
     pub past: usize,
-    /// The sequence's block table.
+    /// The sequence's block table: the blocks wholly before `hidden` are never read, and may
+    /// be no block of the pool (one a paged sequence gave back,
+    /// [`RELEASED`](super::cache::RELEASED)).
     pub blocks: Vec<usize>,
     /// Positions before this one are hidden from every row (a [`KvCache`](crate::KvCache)
-    /// batch's left padding); 0 in a paged step.
+    /// batch's evicted positions and left padding; a paged sequence's positions given back
+    /// behind the window).
     pub hidden: usize,
 }
 
@@ -210,7 +213,9 @@ pub(crate) fn native_paged_attention(
             rows: sequence.rows.clone(),
             past: sequence.past,
             blocks: sequence.table.blocks.clone(),
-            hidden: 0,
+            // The blocks given back, behind the window of every row of the step: hidden, so
+            // that no row reads them.
+            hidden: sequence.table.first_held(cache.block_size()),
         })
         .collect();
     let params = kernel_params(module, &heads.query, sequences, module.window)?;
@@ -680,7 +685,9 @@ fn check_inputs(
         assert!(
             sequence.rows.end <= rows
                 && sequence.past.div_ceil(block_size) <= sequence.blocks.len()
-                && sequence.blocks.iter().all(|&block| block < pool_blocks),
+                && sequence.blocks[(sequence.hidden / block_size).min(sequence.blocks.len())..]
+                    .iter()
+                    .all(|&block| block < pool_blocks),
             "paged attention: {sequence:?} lies outside {rows} rows and {pool_blocks} blocks"
         );
     }

@@ -30,10 +30,12 @@ impl MultiHeadAttention {
     ///
     /// Every sequence gets the outputs [`forward_cached`](Self::forward_cached) gives it alone
     /// with a [`KvCache`](crate::KvCache) of the same storage and `.causal()`. Under a sliding
-    /// `window` each query sees its window only, but the cache keeps every position a sequence
-    /// stored: blocks wholly behind the window are not freed (where a `KvCache` with
-    /// [`CacheLimit::SlidingWindow`](crate::CacheLimit) keeps only the window), so a sequence's
-    /// blocks grow with its length.
+    /// `window` each query sees its window only, and after the step each sequence gives back
+    /// to the pool its blocks wholly behind the window of its next query (as a `KvCache` with
+    /// [`CacheLimit::SlidingWindow`](crate::CacheLimit) keeps only the window): between steps
+    /// a sequence holds at most `window.div_ceil(block_size) + 1` blocks, whatever its length
+    /// ([`PagedKvCache::first_held`]; a fork of a prefix whose window was given back is
+    /// refused).
     ///
     /// On flex and ndarray (an f32 module, float, f16 (flex) or int8 storage, no
     /// `add_bias_kv`/`add_zero_attn`, outside autodiff) a native kernel reads the keys and
@@ -94,7 +96,7 @@ impl MultiHeadAttention {
         );
         let runs = sequence_rows("MultiHeadAttention::forward_paged", sequences);
         let device = input.device();
-        let step = cache.begin(self.cache_owner(), &runs, &device)?;
+        let step = cache.begin(self.cache_owner(), self.window, &runs, &device)?;
         let positions: Vec<usize> = step
             .sequences
             .iter()
@@ -152,7 +154,9 @@ impl MultiHeadAttention {
         let query = query.clone().narrow(2, start, new);
         let mut new_key = key.clone().narrow(2, start, new);
         let mut new_value = value.clone().narrow(2, start, new);
-        if sequence.past > 0 {
+        // Positions before the first held lie behind the window of every row of the step.
+        let first_held = sequence.table.first_held(cache.block_size());
+        if sequence.past > first_held {
             let (key_blocks, value_blocks) = cache.stores().expect("the step stored its keys");
             let dtype: DType = key.dtype();
             let past_key = key_blocks.gather(&sequence.table, sequence.past, dtype);
@@ -167,12 +171,12 @@ impl MultiHeadAttention {
             alibi: self.alibi,
             positions: Positions {
                 query: sequence.past as i64,
-                key: 0,
+                key: first_held as i64,
             },
             extra_keys: self.extra_keys(),
             ..Visibility::nothing_hidden()
         };
-        let geometry = self.geometry(1, new, sequence.past + new);
+        let geometry = self.geometry(1, new, sequence.past - first_held + new);
         let plan = self.plan(
             visibility,
             geometry,

@@ -245,8 +245,9 @@ impl BlockStore {
         })
     }
 
-    /// The first `len` positions of `table` as `[1, heads, len, dim]` floats of `dtype`: one
-    /// gather of the sequence's blocks into a contiguous tensor (the generic path).
+    /// The positions of `table` from its first held one ([`BlockTable::first_held`]) up to
+    /// `len` as `[1, heads, positions, dim]` floats of `dtype`: one gather of the sequence's
+    /// held blocks into a contiguous tensor (the generic path).
     pub fn gather(&self, table: &BlockTable, len: usize, dtype: DType) -> Tensor<4> {
         let layout = self.layout;
         match &self.data {
@@ -399,18 +400,22 @@ fn write_rows<T: BlockTensor>(
     pool
 }
 
-/// The first `len` positions of `table` in `pool`, `[1, heads, len, dim]` whatever the layout.
+/// The positions of `table` from its first held one up to `len` in `pool`, `[1, heads,
+/// positions, dim]` whatever the layout.
 fn gathered<T: BlockTensor>(pool: &T, layout: BlockLayout, table: &BlockTable, len: usize) -> T {
     let block_size = pool.dims()[layout.position_axis()];
-    let used = len.div_ceil(block_size);
-    let indices: Vec<i64> = table.blocks[..used].iter().map(|&b| b as i64).collect();
+    let used = len.div_ceil(block_size) - table.released;
+    let indices: Vec<i64> = table.blocks[table.released..][..used]
+        .iter()
+        .map(|&b| b as i64)
+        .collect();
     let indices = Tensor::<1, Int>::from_data(TensorData::new(indices, [used]), &pool.device());
     let blocks = laid_out(pool.select_blocks(indices), layout);
     let [_, heads, _, dim] = blocks.dims();
     blocks
         .swapped_first()
         .reshaped([1, heads, used * block_size, dim])
-        .narrowed(2, 0, len)
+        .narrowed(2, 0, len - table.first_held(block_size))
 }
 
 // The tests run on flex.

@@ -8,7 +8,8 @@ use super::residual;
 use crate::{PagedCacheError, PagedKvCache, PagedKvCacheConfig, PromptMatch, SequenceId, Token};
 
 /// One [`PagedKvCache`] per layer of a causal [`TransformerEncoder`], holding the same
-/// sequences with the same block tables, for
+/// sequences with the same block tables (but for the blocks each layer gives back behind its
+/// attention's sliding window, if any), for
 /// [`TransformerEncoder::forward_paged`]. Made by
 /// [`TransformerEncoder::new_paged_cache`].
 #[derive(Debug, Clone)]
@@ -84,7 +85,22 @@ impl PagedTransformerCache {
         id: SequenceId,
         prefix: usize,
     ) -> Result<SequenceId, PagedCacheError> {
+        // Layers of different windows gave back different blocks: each is asked first.
+        for cache in &self.layers {
+            cache.check_fork_prefix(id, prefix)?;
+        }
         self.each(|cache| cache.fork_prefix(id, prefix))
+    }
+
+    /// The first of `id`'s positions that every layer still holds, as
+    /// [`PagedKvCache::first_held`] (layers under different sliding windows give back
+    /// different blocks).
+    pub fn first_held(&self, id: SequenceId) -> Option<usize> {
+        self.layers
+            .iter()
+            .map(|cache| cache.first_held(id))
+            .max()
+            .flatten()
     }
 
     /// The tokens `id` was told, as [`PagedKvCache::tokens`] (every layer was told the same).

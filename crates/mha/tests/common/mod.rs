@@ -389,7 +389,17 @@ pub fn panic_message<T>(run: impl FnOnce() -> T) -> String {
 /// A small causal decoder stack (2 layers, 4 query / 2 key-value heads, RoPE, pre-norm, no
 /// dropout) whose caches the decoding tests compare.
 pub fn causal_stack(d_model: usize, device: &Device) -> mha::transformer::TransformerEncoder {
+    causal_stack_in_window(d_model, None, device)
+}
+
+/// [`causal_stack`] whose layers attend within a sliding `window`.
+pub fn causal_stack_in_window(
+    d_model: usize,
+    window: Option<usize>,
+    device: &Device,
+) -> mha::transformer::TransformerEncoder {
     mha::transformer::TransformerEncoderConfig::new(d_model, 32, 4, 2)
+        .with_window(window)
         .with_causal(true)
         .with_n_kv_heads(Some(2))
         .with_rope(Some(mha::RopeConfig::new()))

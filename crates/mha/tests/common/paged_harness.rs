@@ -110,12 +110,42 @@ impl<'a> Harness<'a> {
         id
     }
 
-    /// A fork of `parent`'s first `prefix` positions, whose reference decodes them again.
-    pub fn fork_prefix(&mut self, parent: SequenceId, prefix: usize) -> SequenceId {
-        let id = self.paged.fork_prefix(parent, prefix).unwrap();
+    /// A fork of `parent`'s first `prefix` positions, whose reference decodes them again;
+    /// `None` where `parent` gave back positions the fork's next query would see (checked to
+    /// be so: they lie in its window, and before the first `parent` holds).
+    pub fn fork_prefix(&mut self, parent: SequenceId, prefix: usize) -> Option<SequenceId> {
+        let id = match self.paged.fork_prefix(parent, prefix) {
+            Ok(id) => id,
+            Err(PagedCacheError::PrefixReleased { first_held, .. }) => {
+                let window = self
+                    .module
+                    .window()
+                    .expect("only a window gives blocks back");
+                assert!(
+                    Some(first_held) == self.paged.first_held(parent)
+                        && prefix > 0
+                        && prefix + 1 < first_held + window,
+                    "{}: a fork of {prefix} refused, {first_held} first held under a window \
+                     of {window}",
+                    self.label
+                );
+                return None;
+            }
+            Err(error) => panic!("{}: fork_prefix: {error}", self.label),
+        };
         let tokens = Tensor::cat(self.tokens[&parent].clone(), 0).narrow(0, 0, prefix);
         self.add_reference(id, Some(tokens));
-        id
+        Some(id)
+    }
+
+    /// The first position a sequence of `len` positions holds once a step left it so: the
+    /// first of the block where its next query's window starts.
+    fn first_held_after_a_step(&self, len: usize) -> usize {
+        let block_size = self.paged.block_size();
+        let window = self.module.window();
+        window.map_or(0, |window| {
+            (len + 1).saturating_sub(window) / block_size * block_size
+        })
     }
 
     pub fn remove(&mut self, id: SequenceId) {
@@ -181,7 +211,14 @@ impl<'a> Harness<'a> {
                 expected,
                 self.tolerance,
             );
-            assert_eq!(self.paged.len(id), Some(alone.len()), "{}", self.label);
+            let len = alone.len();
+            assert_eq!(self.paged.len(id), Some(len), "{}", self.label);
+            assert_eq!(
+                self.paged.first_held(id),
+                Some(self.first_held_after_a_step(len)),
+                "{}: {id} gives back its blocks behind the window",
+                self.label
+            );
             start += n;
         }
         self.check_pool();
@@ -202,8 +239,9 @@ impl<'a> Harness<'a> {
     }
 
     /// The pool's blocks add up: those in use and those free make its bound, the pool once
-    /// allocated holds its initial blocks, and the blocks in use are at most one per started
-    /// block of each sequence (fewer where they share).
+    /// allocated holds its initial blocks, no sequence gave back a block its next query sees,
+    /// and the blocks in use are at most one per started block of each sequence from its first
+    /// held (fewer where they share).
     pub fn check_pool(&self) {
         let config = self.paged.config();
         assert_eq!(
@@ -220,11 +258,18 @@ impl<'a> Harness<'a> {
             config.initial_blocks
         );
         let block_size = self.paged.block_size();
-        let started: usize = self
-            .alone
-            .keys()
-            .map(|&id| self.paged.len(id).unwrap().div_ceil(block_size))
-            .sum();
+        let mut started = 0;
+        for &id in self.alone.keys() {
+            let (len, first_held) = (self.paged.len(id).unwrap(), self.paged.first_held(id));
+            let first_held = first_held.unwrap();
+            assert!(
+                first_held.is_multiple_of(block_size)
+                    && first_held <= self.first_held_after_a_step(len),
+                "{}: {id} of {len} positions holds from {first_held}",
+                self.label
+            );
+            started += len.div_ceil(block_size) - first_held / block_size;
+        }
         assert!(
             self.paged.blocks_in_use() <= started,
             "{}: {} blocks in use for {started} started blocks",
@@ -248,7 +293,7 @@ impl Served for Harness<'_> {
         Harness::fork(self, parent)
     }
 
-    fn fork_prefix(&mut self, parent: SequenceId, prefix: usize) -> SequenceId {
+    fn fork_prefix(&mut self, parent: SequenceId, prefix: usize) -> Option<SequenceId> {
         Harness::fork_prefix(self, parent, prefix)
     }
 

@@ -21,7 +21,9 @@ pub trait Served {
     /// the positions shared from the pool; the next step feeds the prompt from there.
     fn add_with_prompt(&mut self, prompt: &[Token], rows: Tensor<2>) -> (SequenceId, usize);
     fn fork(&mut self, parent: SequenceId) -> SequenceId;
-    fn fork_prefix(&mut self, parent: SequenceId, prefix: usize) -> SequenceId;
+    /// `None` where the parent gave back positions in the fork's window (the harness checks
+    /// that it had to).
+    fn fork_prefix(&mut self, parent: SequenceId, prefix: usize) -> Option<SequenceId>;
     fn remove(&mut self, id: SequenceId);
     /// A step of `rows` (`x`, `[rows, d_model]`): refused, it must have changed nothing.
     fn try_step(
@@ -124,6 +126,8 @@ pub struct Exercised {
     pub refused_steps: usize,
     pub shared_prompt_positions: usize,
     pub forks: usize,
+    /// Forks of a prefix refused because the parent gave back positions in their window.
+    pub forks_refused: usize,
     pub steps_past_32_rows: usize,
     /// Steps a later layer refused, which the layers before it took back.
     pub steps_taken_back: usize,
@@ -268,11 +272,16 @@ impl<'s, S: Served> Schedule<'s, S> {
             self.choices.pick(&with_positions)
         };
         let len = self.live[&parent].held.len();
-        let (id, kept) = if self.choices.chance(50) {
-            (self.harness.fork(parent), len)
-        } else {
-            let prefix = self.choices.within(1..=len);
-            (self.harness.fork_prefix(parent, prefix), prefix)
+        let prefix = self.choices.within(1..=len);
+        let (id, kept) = match self.choices.chance(50) {
+            false => match self.harness.fork_prefix(parent, prefix) {
+                Some(id) => (id, prefix),
+                None => {
+                    self.exercised.forks_refused += 1;
+                    (self.harness.fork(parent), len)
+                }
+            },
+            true => (self.harness.fork(parent), len),
         };
         self.exercised.forks += 1;
         // A fork's record keeps the tokens told of its positions; it feeds its own next.

@@ -32,6 +32,19 @@ pub enum PagedCacheError {
         /// Positions it holds.
         len: usize,
     },
+    /// [`PagedKvCache::fork_prefix`](super::PagedKvCache::fork_prefix) asked for a prefix
+    /// whose last positions the sequence no longer holds: they fell behind the module's
+    /// sliding window and their blocks went back to the pool, and the fork's next query would
+    /// see them.
+    PrefixReleased {
+        /// The sequence forked.
+        sequence: SequenceId,
+        /// Positions asked for.
+        prefix: usize,
+        /// The first position the sequence holds
+        /// ([`first_held`](super::PagedKvCache::first_held)).
+        first_held: usize,
+    },
     /// The cache's storage cannot live on this device (int8 where the backend has no i8, f16
     /// where it has no f16).
     Storage {
@@ -76,6 +89,16 @@ impl fmt::Display for PagedCacheError {
                 f,
                 "paged KV cache: fork_prefix: `prefix` is {prefix} positions, but {sequence} \
                  holds only {len}"
+            ),
+            Self::PrefixReleased {
+                sequence,
+                prefix,
+                first_held,
+            } => write!(
+                f,
+                "paged KV cache: fork_prefix: a fork of {prefix} positions would see positions \
+                 before {first_held}, which {sequence} gave back to the pool when they fell \
+                 behind the module's sliding window"
             ),
             Self::Storage { reason } => write!(f, "paged KV cache storage: {reason}"),
             Self::BeyondHalfRange { largest } => write!(

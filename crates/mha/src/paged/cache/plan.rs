@@ -104,11 +104,13 @@ impl PagedKvCache {
         Ok(self.plan(&runs)?.needed)
     }
 
-    /// Checks a step of `sequences`' new rows by `owner` on `device`, and allocates nothing:
-    /// a refused step leaves the cache as it was.
+    /// Checks a step of `sequences`' new rows by `owner` (whose sliding `window`, if any, the
+    /// sequences give back their blocks behind once the step is stored) on `device`, and
+    /// allocates nothing: a refused step leaves the cache as it was.
     pub(crate) fn begin(
         &self,
         owner: CacheOwner,
+        window: Option<usize>,
         sequences: &[SequenceRows],
         device: &Device,
     ) -> Result<PagedStep, PagedCacheError> {
@@ -135,6 +137,7 @@ impl PagedKvCache {
             owner,
             sequences: plan.sequences,
             pool: plan.pool,
+            window,
         })
     }
 
@@ -196,8 +199,8 @@ impl PagedKvCache {
         let past = table.len;
         let mut planned = PlannedSequence {
             table: BlockTable {
-                blocks: table.blocks.clone(),
                 len: past + new,
+                ..table.clone()
             },
             copy: None,
             unfile: None,

@@ -41,12 +41,15 @@ pub(super) struct StepUndo {
     /// The prefix index's last entry id before the step.
     last_entry: u64,
     owner: Option<CacheOwner>,
+    window: Option<usize>,
     /// Shared blocks written in place, to copy back from a sharer's copy.
     restores: Vec<BlockCopy>,
     /// Filed blocks the step wrote into (their filings forgotten).
     pub overwritten_filings: Vec<usize>,
     /// Blocks the step filed under new entries.
     pub newly_filed: Vec<usize>,
+    /// Blocks given back behind the window after the step, in order.
+    pub released: Vec<usize>,
 }
 
 impl StepUndo {
@@ -84,9 +87,11 @@ impl StepUndo {
             filed_lens,
             last_entry: cache.prefixes.last_id(),
             owner: cache.owner,
+            window: cache.window,
             restores: restores(cache, step),
             overwritten_filings: Vec::new(),
             newly_filed: Vec::new(),
+            released: Vec::new(),
         }
     }
 }
@@ -158,7 +163,7 @@ impl PagedKvCache {
             let record = self.records.get_mut(&id).expect("a sequence of the step");
             record.filed.truncate(filed);
         }
-        self.owner = undo.owner;
+        (self.owner, self.window) = (undo.owner, undo.window);
         if self.owner.is_none() {
             // The step was the first: the next may be another module's, of other shapes.
             (self.key, self.value) = (None, None);
@@ -170,18 +175,16 @@ impl PagedKvCache {
     /// The reference counts and free blocks as they were before the step `undo` recorded, in
     /// the reverse order of the step's changes (`store`).
     fn restore_pool(&mut self, undo: &StepUndo) {
-        let free = &mut self.free;
-        for &from in undo.copied_from.iter().rev() {
-            if self.refcounts[from] == 0 {
-                // Its copier released it last, onto the back of one of the free lists.
-                if free.filed.back() == Some(&from) {
-                    free.filed.pop_back();
-                } else {
-                    assert_eq!(free.unfiled.pop(), Some(from), "a released block is free");
-                }
-            }
-            self.refcounts[from] += 1;
+        // Released behind the window after the copies' releases: taken back before them.
+        for &block in undo
+            .released
+            .iter()
+            .rev()
+            .chain(undo.copied_from.iter().rev())
+        {
+            self.unrelease(block);
         }
+        let free = &mut self.free;
         for &block in &undo.taken {
             self.refcounts[block] = 0;
         }
@@ -191,6 +194,20 @@ impl PagedKvCache {
             free.filed.push_front(block);
         }
         self.refcounts.truncate(undo.pool_blocks);
+    }
+
+    /// Takes back the last release of `block`: a sequence refers to it again.
+    fn unrelease(&mut self, block: usize) {
+        if self.refcounts[block] == 0 {
+            // Released last, onto the back of one of the free lists.
+            let free = &mut self.free;
+            if free.filed.back() == Some(&block) {
+                free.filed.pop_back();
+            } else {
+                assert_eq!(free.unfiled.pop(), Some(block), "a released block is free");
+            }
+        }
+        self.refcounts[block] += 1;
     }
 
     /// Forgets the filings of `blocks` (written by a step that another layer took back); those
@@ -216,5 +233,6 @@ impl PagedKvCache {
             && self.prefixes == other.prefixes
             && self.next_id == other.next_id
             && self.owner == other.owner
+            && self.window == other.window
     }
 }
