@@ -9,7 +9,7 @@ mod common;
 use std::collections::BTreeMap;
 
 use burn::tensor::{Device, Tensor};
-use common::paged_harness::check_blocks_needed;
+use common::paged_harness::{check_blocks_needed, reads_before};
 use common::paged_schedule::{Embeddings, Exercised, Schedule, Served};
 use common::{assert_close, panic_message, randn, row_ids, storages};
 use mha::transformer::{
@@ -244,6 +244,31 @@ impl<'a> StackHarness<'a> {
         }
     }
 
+    /// `result` of a fork or cut of `id`'s first `prefix` positions: `None` where it was refused
+    /// because `id` gave back positions the prefix reads next (checked to be so).
+    fn refused_for_the_window<T>(
+        &self,
+        id: SequenceId,
+        prefix: usize,
+        result: Result<T, PagedCacheError>,
+    ) -> Option<T> {
+        match result {
+            Ok(value) => Some(value),
+            Err(PagedCacheError::PrefixReleased { first_held, .. }) => {
+                let window = self.stack.layers[0].attention.window();
+                let block_size = self.paged.layers()[0].block_size();
+                assert!(
+                    Some(first_held) == self.paged.first_held(id)
+                        && reads_before(prefix, first_held, window, block_size),
+                    "{}: {prefix} positions of {id} refused, {first_held} first held",
+                    self.label()
+                );
+                None
+            }
+            Err(error) => panic!("{}: {prefix} positions of {id}: {error}", self.label()),
+        }
+    }
+
     fn state(&self) -> StackState {
         StackState {
             lens: self
@@ -287,23 +312,25 @@ impl Served for StackHarness<'_> {
     }
 
     fn fork_prefix(&mut self, parent: SequenceId, prefix: usize) -> Option<SequenceId> {
-        let id = match self.paged.fork_prefix(parent, prefix) {
-            Ok(id) => id,
-            Err(PagedCacheError::PrefixReleased { first_held, .. }) => {
-                let window = self.stack.layers[0].attention.window().unwrap();
-                assert!(
-                    Some(first_held) == self.paged.first_held(parent)
-                        && prefix + 1 < first_held + window,
-                    "{}: a fork of {prefix} refused, {first_held} first held",
-                    self.label()
-                );
-                return None;
-            }
-            Err(error) => panic!("{}: fork_prefix: {error}", self.label()),
-        };
+        let result = self.paged.fork_prefix(parent, prefix);
+        let id = self.refused_for_the_window(parent, prefix, result)?;
         let tokens = Tensor::cat(self.tokens[&parent].clone(), 0).narrow(0, 0, prefix);
         self.add_reference(id, Some(tokens));
         Some(id)
+    }
+
+    fn truncate(&mut self, id: SequenceId, len: usize) -> bool {
+        let before = self.state();
+        let result = self.paged.truncate(id, len);
+        if self.refused_for_the_window(id, len, result).is_none() {
+            assert_eq!(self.state(), before, "{}: a cut refused", self.label());
+            return false;
+        }
+        let tokens = Tensor::cat(self.tokens[&id].clone(), 0);
+        self.add_reference(id, (len > 0).then(|| tokens.narrow(0, 0, len)));
+        assert_eq!(self.paged.len(id), Some(len));
+        self.check_layers_alike();
+        true
     }
 
     fn remove(&mut self, id: SequenceId) {
@@ -367,6 +394,13 @@ impl Served for StackHarness<'_> {
 
     fn extend_tokens(&mut self, id: SequenceId, tokens: &[Token]) {
         self.paged.extend_tokens(id, tokens).unwrap();
+    }
+
+    fn tokens(&self, id: SequenceId) -> Vec<Token> {
+        self.paged
+            .tokens(id)
+            .expect("a sequence of the cache")
+            .to_vec()
     }
 
     fn refuses_in_a_later_layer(&self) -> bool {

@@ -509,7 +509,42 @@ impl PagedKvCache {
         Ok(forked)
     }
 
-    /// The refusal [`fork_prefix`](Self::fork_prefix) would give, if any.
+    /// Cuts `id` back to its first `len` positions, as if its later steps had not run: draft
+    /// tokens a speculative step rejected, or a reply regenerated from some point. The blocks
+    /// past them go back to the pool at once (or to their other sharers), and the tokens it
+    /// was told past them are forgotten. A `len` at or past its length changes nothing. The
+    /// next step writes from position `len` on, into a copy of the last block if another
+    /// sequence shares it or later prompts may (filed).
+    ///
+    /// # Errors
+    ///
+    /// [`PagedCacheError::UnknownSequence`] if `id` is not a sequence of this cache,
+    /// [`PagedCacheError::PrefixReleased`] if the query at position `len` would see positions
+    /// `id` gave back behind the module's sliding window; `id` is then unchanged.
+    pub fn truncate(&mut self, id: SequenceId, len: usize) -> Result<(), PagedCacheError> {
+        let held = self.len(id).ok_or(PagedCacheError::UnknownSequence(id))?;
+        if len >= held {
+            return Ok(());
+        }
+        self.check_fork_prefix(id, len)?;
+        let block_size = self.config.block_size;
+        let table = self.sequences.get_mut(&id).expect("a sequence checked");
+        let kept = len.div_ceil(block_size);
+        // Given back already: the blocks before `released`, all kept unless `len` is 0.
+        let dropped: Vec<usize> = table.blocks.split_off(kept.max(table.released));
+        table.blocks.truncate(kept);
+        table.released = table.released.min(kept);
+        table.len = len;
+        let record = self.records.get_mut(&id).expect("a sequence's record");
+        *record = record.prefix(len, block_size);
+        for block in dropped {
+            self.release_block(block);
+        }
+        Ok(())
+    }
+
+    /// The refusal [`fork_prefix`](Self::fork_prefix) (or [`truncate`](Self::truncate)) would
+    /// give for a sequence of `id`'s first `prefix` positions, if any.
     pub(crate) fn check_fork_prefix(
         &self,
         id: SequenceId,
@@ -526,12 +561,16 @@ impl PagedKvCache {
                 len: table.len,
             });
         }
-        // The positions the fork's next query (at `prefix`) sees before its own.
+        // What the prefix reads next: the positions its next query (at `prefix`) sees before
+        // its own, and a partly filled last block, which its next step writes into.
+        let block_size = self.config.block_size;
         let seen = self
             .window
-            .map_or(0, |window| (prefix + 1).saturating_sub(window))..prefix;
-        let first_held = table.first_held(self.config.block_size);
-        if !seen.is_empty() && seen.start < first_held {
+            .map_or(0, |window| (prefix + 1).saturating_sub(window));
+        let partial_block = prefix / block_size * block_size;
+        let needed = seen.min(partial_block)..prefix;
+        let first_held = table.first_held(block_size);
+        if !needed.is_empty() && needed.start < first_held {
             return Err(PagedCacheError::PrefixReleased {
                 sequence: id,
                 prefix,

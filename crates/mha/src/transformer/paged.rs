@@ -92,6 +92,21 @@ impl PagedTransformerCache {
         self.each(|cache| cache.fork_prefix(id, prefix))
     }
 
+    /// Cuts `id` back to its first `len` positions in every layer
+    /// ([`PagedKvCache::truncate`]).
+    ///
+    /// # Errors
+    ///
+    /// As [`PagedKvCache::truncate`]; no layer is then changed.
+    pub fn truncate(&mut self, id: SequenceId, len: usize) -> Result<(), PagedCacheError> {
+        for cache in &self.layers {
+            if cache.len(id).is_some_and(|held| len < held) {
+                cache.check_fork_prefix(id, len)?;
+            }
+        }
+        self.each(|cache| cache.truncate(id, len))
+    }
+
     /// The first of `id`'s positions that every layer still holds, as
     /// [`PagedKvCache::first_held`] (layers under different sliding windows give back
     /// different blocks).

@@ -117,16 +117,12 @@ impl<'a> Harness<'a> {
         let id = match self.paged.fork_prefix(parent, prefix) {
             Ok(id) => id,
             Err(PagedCacheError::PrefixReleased { first_held, .. }) => {
-                let window = self
-                    .module
-                    .window()
-                    .expect("only a window gives blocks back");
+                let window = self.module.window();
                 assert!(
                     Some(first_held) == self.paged.first_held(parent)
-                        && prefix > 0
-                        && prefix + 1 < first_held + window,
+                        && reads_before(prefix, first_held, window, self.paged.block_size()),
                     "{}: a fork of {prefix} refused, {first_held} first held under a window \
-                     of {window}",
+                     of {window:?}",
                     self.label
                 );
                 return None;
@@ -136,6 +132,33 @@ impl<'a> Harness<'a> {
         let tokens = Tensor::cat(self.tokens[&parent].clone(), 0).narrow(0, 0, prefix);
         self.add_reference(id, Some(tokens));
         Some(id)
+    }
+
+    /// `id` cut back to its first `len` positions, its reference decoding them again; false
+    /// where it gave back positions that a sequence of `len` positions reads next (checked to
+    /// be so), and nothing changed.
+    pub fn truncate(&mut self, id: SequenceId, len: usize) -> bool {
+        let before = self.pool_state();
+        match self.paged.truncate(id, len) {
+            Ok(()) => {}
+            Err(PagedCacheError::PrefixReleased { first_held, .. }) => {
+                let window = self.module.window();
+                assert!(
+                    Some(first_held) == self.paged.first_held(id)
+                        && reads_before(len, first_held, window, self.paged.block_size()),
+                    "{}: a cut to {len} refused, {first_held} first held",
+                    self.label
+                );
+                assert_eq!(self.pool_state(), before, "{}: a cut refused", self.label);
+                return false;
+            }
+            Err(error) => panic!("{}: truncate: {error}", self.label),
+        }
+        let tokens = Tensor::cat(self.tokens[&id].clone(), 0);
+        self.add_reference(id, (len > 0).then(|| tokens.narrow(0, 0, len)));
+        assert_eq!(self.paged.len(id), Some(len), "{}", self.label);
+        self.check_pool();
+        true
     }
 
     /// The first position a sequence of `len` positions holds once a step left it so: the
@@ -297,6 +320,10 @@ impl Served for Harness<'_> {
         Harness::fork_prefix(self, parent, prefix)
     }
 
+    fn truncate(&mut self, id: SequenceId, len: usize) -> bool {
+        Harness::truncate(self, id, len)
+    }
+
     fn remove(&mut self, id: SequenceId) {
         Harness::remove(self, id)
     }
@@ -313,6 +340,13 @@ impl Served for Harness<'_> {
         self.paged.extend_tokens(id, tokens).unwrap();
     }
 
+    fn tokens(&self, id: SequenceId) -> Vec<Token> {
+        self.paged
+            .tokens(id)
+            .expect("a sequence of the cache")
+            .to_vec()
+    }
+
     fn check_all_blocks_free(&self) {
         assert_eq!(
             (self.paged.blocks_in_use(), self.paged.free_blocks()),
@@ -321,6 +355,22 @@ impl Served for Harness<'_> {
             self.label
         );
     }
+}
+
+/// Whether a sequence of the first `prefix` positions of one that holds from `first_held` on
+/// (blocks of `block_size`, a module's `window`) reads a position it no longer holds next: one
+/// its next query sees, or one of its partly filled last block, which its next step writes
+/// into.
+pub fn reads_before(
+    prefix: usize,
+    first_held: usize,
+    window: Option<usize>,
+    block_size: usize,
+) -> bool {
+    let seen = window.map_or(0, |window| (prefix + 1).saturating_sub(window));
+    let partial_block = prefix / block_size * block_size;
+    let needed = seen.min(partial_block)..prefix;
+    !needed.is_empty() && needed.start < first_held
 }
 
 /// Panics unless a step's `result` agrees with what `blocks_needed` said before it: it fits if

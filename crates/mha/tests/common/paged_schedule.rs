@@ -24,6 +24,9 @@ pub trait Served {
     /// `None` where the parent gave back positions in the fork's window (the harness checks
     /// that it had to).
     fn fork_prefix(&mut self, parent: SequenceId, prefix: usize) -> Option<SequenceId>;
+    /// `id` cut back to its first `len` positions; false where it gave back positions in
+    /// their window (the harness checks that it had to, and that nothing changed).
+    fn truncate(&mut self, id: SequenceId, len: usize) -> bool;
     fn remove(&mut self, id: SequenceId);
     /// A step of `rows` (`x`, `[rows, d_model]`): refused, it must have changed nothing.
     fn try_step(
@@ -32,6 +35,8 @@ pub trait Served {
         x: Tensor<2>,
     ) -> Result<(), PagedCacheError>;
     fn extend_tokens(&mut self, id: SequenceId, tokens: &[Token]);
+    /// The tokens the cache says `id` was told.
+    fn tokens(&self, id: SequenceId) -> Vec<Token>;
     /// Panics unless every block of the pool (of every layer) is free.
     fn check_all_blocks_free(&self);
     /// Whether the harness holds a model that a later layer's range refuses
@@ -128,24 +133,34 @@ pub struct Exercised {
     pub forks: usize,
     /// Forks of a prefix refused because the parent gave back positions in their window.
     pub forks_refused: usize,
+    /// Sequences cut back to fewer positions (draft tokens rejected), and cuts refused as
+    /// forks are.
+    pub truncations: usize,
+    pub truncations_refused: usize,
     pub steps_past_32_rows: usize,
     /// Steps a later layer refused, which the layers before it took back.
     pub steps_taken_back: usize,
 }
 
 impl Exercised {
-    /// Panics unless the schedules refused steps, shared prompts' positions, forked and ran
-    /// more than 32 rows of a sequence in a step: what a test of them is about.
+    /// Panics unless the schedules refused steps, shared prompts' positions, forked, cut
+    /// sequences back and ran more than 32 rows of a sequence in a step: what a test of them
+    /// is about.
     pub fn check_everything_happened(&self) {
         let Exercised {
             refused_steps,
             shared_prompt_positions,
             forks,
+            truncations,
             steps_past_32_rows,
             ..
         } = *self;
         assert!(
-            refused_steps > 0 && shared_prompt_positions > 0 && forks > 0 && steps_past_32_rows > 0,
+            refused_steps > 0
+                && shared_prompt_positions > 0
+                && forks > 0
+                && truncations > 0
+                && steps_past_32_rows > 0,
             "the schedules did not do what the test is about: {self:?}"
         );
     }
@@ -199,6 +214,9 @@ impl<'s, S: Served> Schedule<'s, S> {
             if self.choices.chance(12) && self.fork() {
                 continue;
             }
+            if self.choices.chance(8) && self.truncate() {
+                continue;
+            }
             if ids.len() > 1 && self.choices.chance(12) {
                 let id = self.choices.pick(&ids);
                 self.leave(id);
@@ -248,14 +266,18 @@ impl<'s, S: Served> Schedule<'s, S> {
         self.live.insert(id, sequence);
     }
 
-    /// A fork of a sequence that holds positions, whole or a prefix; false if none does.
-    fn fork(&mut self) -> bool {
-        let with_positions: Vec<SequenceId> = self
-            .live
+    /// The live sequences that hold positions.
+    fn with_positions(&self) -> Vec<SequenceId> {
+        self.live
             .iter()
             .filter(|(_, sequence)| !sequence.held.is_empty())
             .map(|(&id, _)| id)
-            .collect();
+            .collect()
+    }
+
+    /// A fork of a sequence that holds positions, whole or a prefix; false if none does.
+    fn fork(&mut self) -> bool {
+        let with_positions = self.with_positions();
         if with_positions.is_empty() {
             return false;
         }
@@ -292,6 +314,39 @@ impl<'s, S: Served> Schedule<'s, S> {
         };
         self.live.insert(id, sequence);
         true
+    }
+
+    /// A sequence that holds positions cut back to fewer (draft tokens a speculative step
+    /// rejected): the rest of its prompt, if any, is dropped; false if none holds positions.
+    fn truncate(&mut self) -> bool {
+        let with_positions = self.with_positions();
+        if with_positions.is_empty() {
+            return false;
+        }
+        let id = self.choices.pick(&with_positions);
+        let len = self.choices.within(0..=self.live[&id].held.len() - 1);
+        if !self.harness.truncate(id, len) {
+            self.exercised.truncations_refused += 1;
+            return true;
+        }
+        self.exercised.truncations += 1;
+        let sequence = self.live.get_mut(&id).expect("a live sequence");
+        sequence.held.truncate(len);
+        sequence.pending.clear();
+        sequence.told = sequence.told.min(len);
+        self.check_tokens(id);
+        true
+    }
+
+    /// Panics unless the cache holds the tokens `id` was told, as far as it was told them.
+    fn check_tokens(&self, id: SequenceId) {
+        let sequence = &self.live[&id];
+        let known = [&sequence.held[..], &sequence.pending[..]].concat();
+        assert_eq!(
+            self.harness.tokens(id),
+            known[..sequence.told],
+            "the tokens {id} was told"
+        );
     }
 
     fn leave(&mut self, id: SequenceId) {
@@ -378,5 +433,6 @@ impl<'s, S: Served> Schedule<'s, S> {
             self.harness.extend_tokens(id, untold);
             sequence.told = sequence.held.len();
         }
+        self.check_tokens(id);
     }
 }

@@ -32,10 +32,10 @@ pub enum PagedCacheError {
         /// Positions it holds.
         len: usize,
     },
-    /// [`PagedKvCache::fork_prefix`](super::PagedKvCache::fork_prefix) asked for a prefix
-    /// whose last positions the sequence no longer holds: they fell behind the module's
-    /// sliding window and their blocks went back to the pool, and the fork's next query would
-    /// see them.
+    /// [`PagedKvCache::fork_prefix`](super::PagedKvCache::fork_prefix) or
+    /// [`PagedKvCache::truncate`](super::PagedKvCache::truncate) asked for a prefix whose last
+    /// positions the sequence no longer holds: they fell behind the module's sliding window
+    /// and their blocks went back to the pool, and the prefix's next query would see them.
     PrefixReleased {
         /// The sequence forked.
         sequence: SequenceId,
@@ -96,9 +96,10 @@ impl fmt::Display for PagedCacheError {
                 first_held,
             } => write!(
                 f,
-                "paged KV cache: fork_prefix: a fork of {prefix} positions would see positions \
-                 before {first_held}, which {sequence} gave back to the pool when they fell \
-                 behind the module's sliding window"
+                "paged KV cache: the first {prefix} positions of {sequence} (`prefix`) cannot \
+                 go on alone: their next query would see positions before {first_held}, which \
+                 {sequence} gave back to the pool when they fell behind the module's sliding \
+                 window"
             ),
             Self::Storage { reason } => write!(f, "paged KV cache storage: {reason}"),
             Self::BeyondHalfRange { largest } => write!(

@@ -3,7 +3,7 @@
 
 use super::*;
 use burn::module::ParamId;
-use burn::tensor::Device;
+use burn::tensor::{DType, Device};
 
 fn owner() -> CacheOwner {
     CacheOwner {
@@ -717,4 +717,77 @@ fn a_step_that_gave_blocks_back_is_taken_back() {
         2 + 2 + 2 + 3 - 1,
         "`a`'s block 0 shared with `c`"
     );
+}
+
+#[test]
+fn a_sequence_cut_back_gives_its_later_blocks_back_and_writes_into_a_copy_of_a_shared_one() {
+    let owner = owner();
+    let mut cache = PagedKvCacheConfig::new(8).with_block_size(4).init();
+    let prompt: Vec<Token> = (1..=10).collect();
+    let a = cache.add_sequence_with_prompt(&prompt).id;
+    numbered_step(&mut cache, owner, &[(a, 10)], 0.0);
+    let fork = cache.fork(a).unwrap();
+    assert_eq!((cache.blocks_in_use(), cache.filed_blocks()), (3, 2));
+    // Cut back into its second block, filed and shared with the fork: nothing goes back.
+    cache.truncate(a, 6).unwrap();
+    assert_eq!(
+        (cache.len(a), cache.tokens(a)),
+        (Some(6), Some(&prompt[..6]))
+    );
+    assert_eq!(cache.blocks_in_use(), 3);
+    // Its next step copies the shared block before writing over positions 6 and 7.
+    numbered_step(&mut cache, owner, &[(a, 3)], 100.0);
+    assert_eq!(cache.blocks_in_use(), 5);
+    let (keys, _) = cache.stores().unwrap();
+    let gathered = |id| {
+        let stored = keys.gather(cache.table(id).unwrap(), cache.len(id).unwrap(), DType::F32);
+        stored.into_data().to_vec::<f32>().unwrap()
+    };
+    let (ours, forked) = (gathered(a), gathered(fork));
+    assert_eq!(ours[..12], forked[..12], "positions 0..6 as they were");
+    assert_eq!(ours[12..14], [100.0, 101.0]);
+    assert_eq!(forked[12..14], [12.0, 13.0], "the fork's block unchanged");
+    // Cut to nothing, then removed: every block of `a` goes back.
+    cache.truncate(a, 0).unwrap();
+    assert_eq!((cache.len(a), cache.blocks_in_use()), (Some(0), 3));
+    cache.truncate(a, 5).unwrap();
+    assert_eq!(cache.len(a), Some(0), "a longer length changes nothing");
+    cache.remove_sequence(fork).unwrap();
+    cache.remove_sequence(a).unwrap();
+    assert_eq!(cache.blocks_in_use(), 0);
+    assert_eq!(
+        cache.truncate(a, 0),
+        Err(PagedCacheError::UnknownSequence(a))
+    );
+}
+
+#[test]
+fn a_cut_into_a_given_back_window_is_refused_and_changes_nothing() {
+    let module = windowed();
+    let mut cache = PagedKvCacheConfig::new(8).with_block_size(4).init();
+    let a = cache.add_sequence();
+    numbered_step_in_window(&mut cache, module, &[(a, 13)], 0.0);
+    assert_eq!(cache.first_held(a), Some(8));
+    let before = cache.clone();
+    // 12 positions: the next query sees 7..=12.
+    assert_eq!(
+        cache.truncate(a, 12),
+        Err(PagedCacheError::PrefixReleased {
+            sequence: a,
+            prefix: 12,
+            first_held: 8
+        })
+    );
+    assert!(cache.same_bookkeeping(&before));
+    // 13 keeps all. Under a window of 1 a query sees only itself, but a cut to 5 would write
+    // into block 1, given back.
+    cache.truncate(a, 13).unwrap();
+    cache.window = Some(1);
+    assert!(matches!(
+        cache.check_fork_prefix(a, 5),
+        Err(PagedCacheError::PrefixReleased { .. })
+    ));
+    assert_eq!(cache.check_fork_prefix(a, 8), Ok(()));
+    cache.truncate(a, 8).unwrap();
+    assert_eq!((cache.first_held(a), cache.blocks_in_use()), (Some(8), 0));
 }
