@@ -35,7 +35,8 @@ impl MultiHeadAttention {
     /// [`CacheLimit::SlidingWindow`](crate::CacheLimit) keeps only the window): between steps
     /// a sequence holds at most `window.div_ceil(block_size) + 1` blocks, whatever its length
     /// ([`PagedKvCache::first_held`]; a fork of a prefix whose window was given back is
-    /// refused).
+    /// refused). A step takes blocks for all its rows before it gives any back: a long prompt
+    /// fed in chunks of a few windows needs a few windows' blocks, fed whole all of its own.
     ///
     /// On flex and ndarray (an f32 module, float, f16 (flex) or int8 storage, no
     /// `add_bias_kv`/`add_zero_attn`, outside autodiff) a native kernel reads the keys and
