@@ -393,7 +393,7 @@ impl PagedKvCache {
         id: SequenceId,
         prefix: usize,
     ) -> Result<SequenceId, PagedCacheError> {
-        self.check_fork_prefix(id, prefix)?;
+        self.check_prefix(id, prefix)?;
         let table = &self.sequences[&id];
         let block_size = self.config.block_size;
         let blocks = table.blocks[..prefix.div_ceil(block_size)].to_vec();
@@ -428,11 +428,10 @@ impl PagedKvCache {
     /// [`PagedCacheError::PrefixReleased`] if the query at position `len` would see positions
     /// `id` gave back behind the module's sliding window; `id` is then unchanged.
     pub fn truncate(&mut self, id: SequenceId, len: usize) -> Result<(), PagedCacheError> {
-        let held = self.len(id).ok_or(PagedCacheError::UnknownSequence(id))?;
-        if len >= held {
+        self.check_truncate(id, len)?;
+        if self.len(id).is_some_and(|held| len >= held) {
             return Ok(());
         }
-        self.check_fork_prefix(id, len)?;
         let block_size = self.config.block_size;
         let table = self.sequences.get_mut(&id).expect("a sequence checked");
         let kept = len.div_ceil(block_size);
@@ -449,9 +448,19 @@ impl PagedKvCache {
         Ok(())
     }
 
+    /// The refusal [`truncate`](Self::truncate) would give, if any: a cut that changes nothing
+    /// is never refused.
+    pub(crate) fn check_truncate(&self, id: SequenceId, len: usize) -> Result<(), PagedCacheError> {
+        match self.len(id) {
+            None => Err(PagedCacheError::UnknownSequence(id)),
+            Some(held) if len >= held => Ok(()),
+            Some(_) => self.check_prefix(id, len),
+        }
+    }
+
     /// The refusal [`fork_prefix`](Self::fork_prefix) (or [`truncate`](Self::truncate)) would
     /// give for a sequence of `id`'s first `prefix` positions, if any.
-    pub(crate) fn check_fork_prefix(
+    pub(crate) fn check_prefix(
         &self,
         id: SequenceId,
         prefix: usize,

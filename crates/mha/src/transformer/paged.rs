@@ -87,7 +87,7 @@ impl PagedTransformerCache {
     ) -> Result<SequenceId, PagedCacheError> {
         // Layers of different windows gave back different blocks: each is asked first.
         for cache in &self.layers {
-            cache.check_fork_prefix(id, prefix)?;
+            cache.check_prefix(id, prefix)?;
         }
         self.each(|cache| cache.fork_prefix(id, prefix))
     }
@@ -100,9 +100,7 @@ impl PagedTransformerCache {
     /// As [`PagedKvCache::truncate`]; no layer is then changed.
     pub fn truncate(&mut self, id: SequenceId, len: usize) -> Result<(), PagedCacheError> {
         for cache in &self.layers {
-            if cache.len(id).is_some_and(|held| len < held) {
-                cache.check_fork_prefix(id, len)?;
-            }
+            cache.check_truncate(id, len)?;
         }
         self.each(|cache| cache.truncate(id, len))
     }

@@ -193,10 +193,10 @@ fn a_cut_into_a_given_back_window_is_refused_and_changes_nothing() {
     cache.truncate(a, 13).unwrap();
     cache.window = Some(1);
     assert!(matches!(
-        cache.check_fork_prefix(a, 5),
+        cache.check_prefix(a, 5),
         Err(PagedCacheError::PrefixReleased { .. })
     ));
-    assert_eq!(cache.check_fork_prefix(a, 8), Ok(()));
+    assert_eq!(cache.check_prefix(a, 8), Ok(()));
     cache.truncate(a, 8).unwrap();
     assert_eq!((cache.first_held(a), cache.blocks_in_use()), (Some(8), 0));
 }
