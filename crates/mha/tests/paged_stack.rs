@@ -452,6 +452,79 @@ impl Served for StackHarness<'_> {
     }
 }
 
+/// A stack whose first layer attends within a window of 4 and whose second sees every
+/// position: the first gives back the blocks behind its window, the second keeps them, so the
+/// stack's free blocks are the second's; a step that the first layer's pool holds and the
+/// second's cannot is refused by the second after the first stored it, and the first takes it
+/// back, the blocks it gave back included. Every row equals decoding its sequence alone.
+#[test]
+fn layers_under_different_windows_hold_different_blocks_and_a_fuller_later_layer_refuses() {
+    let device = Device::flex();
+    let _seed = common::seed(&device, 83);
+    let mut stack = common::causal_stack(D_MODEL, &device);
+    stack.layers[0] = common::causal_stack_in_window(D_MODEL, Some(4), &device).layers[0].clone();
+    let mut paged = stack.new_paged_cache(PagedKvCacheConfig::new(6).with_block_size(4));
+    let mut alone = stack.new_cache();
+    let a = paged.add_sequence();
+    let mut step = |paged: &mut PagedTransformerCache, rows: usize| {
+        let x = randn([rows, D_MODEL], &device);
+        let ids = vec![a; rows];
+        let result = stack.forward_paged(x.clone(), paged, &ids);
+        if let Ok(output) = &result {
+            let expected = stack
+                .forward_cached(
+                    TransformerEncoderInput::new(x.reshape([1, rows, D_MODEL])),
+                    &mut alone,
+                )
+                .unwrap()
+                .reshape([rows, D_MODEL]);
+            assert_close(&format!("{rows} rows"), output.clone(), expected, 1e-5);
+        }
+        result.map(|_| ())
+    };
+    // 9 positions in blocks of 4: the first layer's next query sees 6..=9, so it gives back
+    // block 0 and holds 2; the second holds all 3.
+    step(&mut paged, 9).unwrap();
+    let held = |paged: &PagedTransformerCache| -> Vec<_> {
+        paged
+            .layers()
+            .iter()
+            .map(|layer| {
+                (
+                    layer.blocks_in_use(),
+                    layer.free_blocks(),
+                    layer.first_held(a),
+                )
+            })
+            .collect()
+    };
+    assert_eq!(held(&paged), [(2, 4, Some(4)), (3, 3, Some(0))]);
+    assert_eq!((paged.free_blocks(), paged.blocks_in_use()), (3, 3));
+    assert_eq!(paged.first_held(a), Some(4));
+    // 16 more positions take 4 new blocks in each layer: the first layer has 4 free, the
+    // second 3.
+    let ids = vec![a; 16];
+    assert_eq!(paged.blocks_needed(&ids), Ok(4));
+    let before = held(&paged);
+    assert_eq!(
+        step(&mut paged, 16),
+        Err(PagedCacheError::PoolFull {
+            sequence: a,
+            needed: 4,
+            free: 3
+        })
+    );
+    assert_eq!(held(&paged), before, "the first layer took the step back");
+    assert_eq!(paged.len(a), Some(9));
+    // The sequence goes on in both layers as if the step had never been tried: 12 positions,
+    // the first layer holding blocks 2 (positions 8..=11, 9 seen next) and the second 3.
+    step(&mut paged, 3).unwrap();
+    assert_eq!(held(&paged), [(1, 5, Some(8)), (3, 3, Some(0))]);
+    step(&mut paged, 1).unwrap();
+    paged.remove_sequence(a).unwrap();
+    assert_eq!((paged.free_blocks(), paged.blocks_in_use()), (6, 0));
+}
+
 #[test]
 fn a_stack_without_layers_has_no_paged_cache() {
     use mha::transformer::TransformerEncoderConfig;

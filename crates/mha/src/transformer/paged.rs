@@ -136,19 +136,31 @@ impl PagedTransformerCache {
         self.layers[0].sequences()
     }
 
-    /// Blocks a step may still take, in each layer.
+    /// Blocks a step may still take from every layer's pool: the fewest any layer has free
+    /// (layers under different sliding windows give back different blocks).
     pub fn free_blocks(&self) -> usize {
-        self.layers[0].free_blocks()
+        self.layers
+            .iter()
+            .map(PagedKvCache::free_blocks)
+            .min()
+            .expect("a stack has layers")
     }
 
-    /// Blocks some sequence refers to, in each layer.
+    /// Blocks some sequence refers to in the layer that holds the most (layers under
+    /// different sliding windows give back different blocks).
     pub fn blocks_in_use(&self) -> usize {
-        self.layers[0].blocks_in_use()
+        self.layers
+            .iter()
+            .map(PagedKvCache::blocks_in_use)
+            .max()
+            .expect("a stack has layers")
     }
 
-    /// The blocks a step of `sequences` would take from each layer's pool
-    /// ([`PagedKvCache::blocks_needed`]): the step fits if and only if they are at most
-    /// [`free_blocks`](Self::free_blocks).
+    /// The blocks a step of `sequences` would take from the pool of the layer that needs the
+    /// most ([`PagedKvCache::blocks_needed`]): the step fits if these are at most
+    /// [`free_blocks`](Self::free_blocks) (and, with layers under different sliding windows,
+    /// only if each layer's need is at most its own free blocks, which
+    /// [`layers`](Self::layers) tells).
     ///
     /// # Errors
     ///
@@ -158,7 +170,11 @@ impl PagedTransformerCache {
     ///
     /// As [`PagedKvCache::blocks_needed`].
     pub fn blocks_needed(&self, sequences: &[SequenceId]) -> Result<usize, PagedCacheError> {
-        self.layers[0].blocks_needed(sequences)
+        let mut most = 0;
+        for cache in &self.layers {
+            most = most.max(cache.blocks_needed(sequences)?);
+        }
+        Ok(most)
     }
 
     /// Bytes of the blocks in use, all layers together.
@@ -245,9 +261,11 @@ impl TransformerEncoderLayer {
 
 impl TransformerEncoder {
     /// An empty paged cache for [`forward_paged`](Self::forward_paged): a pool of `config` per
-    /// layer.
-    /// Layers with a sliding `window` keep every position in their pools, not only the window
-    /// ([`MultiHeadAttention::forward_paged`](crate::MultiHeadAttention::forward_paged)).
+    /// layer. A layer whose attention has a sliding `window` gives its blocks wholly behind a
+    /// sequence's window back to its pool after each step
+    /// ([`MultiHeadAttention::forward_paged`](crate::MultiHeadAttention::forward_paged)), so
+    /// layers under different windows hold different blocks, and
+    /// [`PagedTransformerCache::free_blocks`] is the fewest any layer has.
     ///
     /// # Panics
     ///
@@ -270,14 +288,17 @@ impl TransformerEncoder {
 
     /// One step of continuous batching through the causal stack: row `i` of `input` is a new
     /// position of `sequences[i]` (each sequence's rows consecutive), and every sequence gets
-    /// what [`forward_cached`](Self::forward_cached) gives it alone. Every layer's cache holds
-    /// the same sequences, so a step is refused by the first layer or not at all, and a refused
-    /// step leaves every sequence as it was. A later layer's keys may exceed
+    /// what [`forward_cached`](Self::forward_cached) gives it alone. A refused step leaves
+    /// every sequence of every layer as it was. Every layer's cache holds the same sequences,
+    /// so most refusals come from the first layer, before any layer stored the step; a later
+    /// layer may refuse it after the layers before it stored it: its keys beyond
     /// [`CacheStorage::Half`](crate::CacheStorage)'s range
-    /// ([`PagedCacheError::BeyondHalfRange`]) after the layers before it stored the step: those
-    /// take it back, and the whole blocks it overwrote are no longer shared by later prompts
-    /// (in any layer, so that the layers stay alike). To do so, each layer keeps the list of
-    /// blocks its last step took and copied, and its sequences' tables before it.
+    /// ([`PagedCacheError::BeyondHalfRange`]), or, where the layers' attentions have different
+    /// sliding windows (and so give back different blocks), a pool with fewer free blocks
+    /// ([`PagedCacheError::PoolFull`]). The layers before it then take the step back, and the
+    /// whole blocks it overwrote are no longer shared by later prompts (in any layer, so that
+    /// alike layers stay alike). To do so, each layer keeps the list of blocks its last step
+    /// took, copied and gave back, and its sequences' tables before it.
     ///
     /// # Shapes
     ///
@@ -316,13 +337,15 @@ impl TransformerEncoder {
             match layer.forward_paged(x, &mut cache.layers[index], sequences) {
                 Ok(output) => x = output,
                 Err(error) => {
-                    // Only f16's range refusal comes from a later layer (the others come from
-                    // the first, as every layer holds the same sequences); the layers before it
-                    // stored the step, and take it back, so that the layers stay in step.
+                    // A later layer's refusal (f16's range, or a fuller pool under another
+                    // window): the layers before it stored the step, and take it back, so that
+                    // the layers stay in step.
                     let mut overwritten = Vec::new();
                     for stored in &mut cache.layers[..index] {
-                        overwritten = stored.undo_last_step();
+                        overwritten.extend(stored.undo_last_step());
                     }
+                    overwritten.sort_unstable();
+                    overwritten.dedup();
                     for layer in &mut cache.layers[index..] {
                         layer.forget_overwritten(&overwritten);
                     }
