@@ -15,6 +15,7 @@ use crate::paged::StoredBlocks;
 mod storage;
 mod stored;
 mod tiled;
+mod truncate;
 mod undo;
 // Names burn-ndarray's deprecated backend type, as `cpu` does.
 #[allow(deprecated)]
@@ -132,6 +133,17 @@ pub enum CacheError {
         /// The module of this step.
         module: CacheOwner,
     },
+    /// [`KvCache::truncate`] to `len` positions was refused: the next query (at position
+    /// `len`) would see positions from `sees_from`, and the cache's window evicted those
+    /// before `held_from`.
+    Evicted {
+        /// The length asked for.
+        len: usize,
+        /// The first position the next query would see (after a streaming window's sinks).
+        sees_from: usize,
+        /// The first position the cache holds (after its sinks).
+        held_from: usize,
+    },
 }
 
 impl fmt::Display for CacheError {
@@ -173,6 +185,16 @@ impl fmt::Display for CacheError {
                 f,
                 "KV cache filled by another attention module ({cached}) than this step's \
                  ({module}); each layer needs its own cache"
+            ),
+            Self::Evicted {
+                len,
+                sees_from,
+                held_from,
+            } => write!(
+                f,
+                "KV cache cannot be cut back to `len` = {len} positions: the next query would \
+                 see positions from {sees_from}, and the window evicted those before \
+                 {held_from} (keep a clone of the cache to go back further)"
             ),
         }
     }

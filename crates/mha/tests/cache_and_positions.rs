@@ -4,7 +4,7 @@
 
 mod common;
 
-use burn::tensor::{Bool, Device, Tensor};
+use burn::tensor::{Bool, Device, Tensor, TensorData};
 use common::{assert_close, decode, randn, test_devices, tolerance};
 use mha::{
     CacheError, CacheLimit, CacheStorage, KvCache, MhaInput, MultiHeadAttentionConfig, NeedWeights,
@@ -169,6 +169,58 @@ fn a_cloned_cache_and_its_original_append_independently() {
             step(&next, &mut reference),
             1e-6,
         );
+    }
+}
+
+/// Speculative decoding's shape: a prompt (left-padded in one row), then the accepted draft
+/// tokens and rejected ones in one step, then a cut back to the accepted ones and the next
+/// tokens: the same as a cache that was only ever fed the accepted ones, in every storage and
+/// configuration, on every test device. Past its length a cut changes nothing; to 0 it empties
+/// the cache.
+#[test]
+fn a_cut_cache_decodes_as_if_only_its_first_positions_had_been_fed() {
+    for (name, device) in test_devices() {
+        let _seed = common::seed(&device, 29);
+        for (label, config) in configs() {
+            let module = config.init(&device);
+            let step = |x: Tensor<3>, padding: Option<Tensor<2, Bool>>, cache: &mut KvCache| {
+                let mut input = MhaInput::self_attn(x).causal();
+                if let Some(padding) = padding {
+                    input = input.key_padding_mask(padding);
+                }
+                module.forward_cached(input, cache).unwrap().context
+            };
+            let (prompt, accepted) = (randn([2, 6, 16], &device), randn([2, 2, 16], &device));
+            let (rejected, next) = (randn([2, 3, 16], &device), randn([2, 2, 16], &device));
+            let padding = Tensor::<2, Bool>::from_data(
+                TensorData::from([[false; 6], [true, false, false, false, false, false]]),
+                &device,
+            );
+            for storage in common::storages(&device) {
+                let case = format!("{name} {label} {storage:?}");
+                let mut reference = KvCache::new().with_storage(storage);
+                step(prompt.clone(), Some(padding.clone()), &mut reference);
+                step(accepted.clone(), None, &mut reference);
+                let mut cut = KvCache::new().with_storage(storage);
+                step(prompt.clone(), Some(padding.clone()), &mut cut);
+                let drafted = Tensor::cat(vec![accepted.clone(), rejected.clone()], 1);
+                step(drafted, None, &mut cut);
+                assert_eq!(cut.len(), 11, "{case}");
+                cut.truncate(8).unwrap();
+                assert_eq!((cut.len(), cut.stored()), (8, 8), "{case}");
+                cut.truncate(20).unwrap();
+                assert_eq!(cut.len(), 8, "{case}: a cut past the length");
+                assert_close(
+                    &case,
+                    step(next.clone(), None, &mut cut),
+                    step(next.clone(), None, &mut reference),
+                    tolerance(name),
+                );
+                cut.truncate(0).unwrap();
+                assert!(cut.is_empty() && cut.stored() == 0, "{case}");
+                assert_eq!(cut.bytes(), 0, "{case}: an empty cache holds no buffers");
+            }
+        }
     }
 }
 

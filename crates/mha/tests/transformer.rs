@@ -235,6 +235,90 @@ fn cached_decoding_through_a_stack_equals_its_full_forward() {
     }
 }
 
+/// Draft tokens rejected through a whole stack: each layer's cache cut back
+/// (`TransformerEncoderCache::truncate`, `TransformerDecoderCache::truncate`) decodes the next
+/// tokens as the caches that were only fed the accepted ones; a cut that one layer's window
+/// refuses changes no layer.
+#[test]
+fn a_cut_stack_cache_decodes_as_if_only_its_first_positions_had_been_fed() {
+    for (name, device) in test_devices() {
+        let _seed = common::seed(&device, 56);
+        let encoder = TransformerEncoderConfig::new(16, 32, 4, 2)
+            .with_dropout(0.0)
+            .with_n_kv_heads(Some(2))
+            .with_rope(Some(RopeConfig::new()))
+            .with_causal(true)
+            .init(&device);
+        let decoder = TransformerDecoderConfig::new(16, 32, 4, 2)
+            .with_dropout(0.0)
+            .with_alibi(true)
+            .init(&device);
+        let (prompt, accepted) = (randn([2, 5, 16], &device), randn([2, 2, 16], &device));
+        let (rejected, next) = (randn([2, 3, 16], &device), randn([2, 2, 16], &device));
+        let drafted = Tensor::cat(vec![accepted.clone(), rejected], 1);
+        let memory = randn([2, 4, 16], &device);
+
+        let encode = |x: &Tensor<3>, cache: &mut _| {
+            encoder
+                .forward_cached(TransformerEncoderInput::new(x.clone()), cache)
+                .unwrap()
+        };
+        let (mut reference, mut cut) = (encoder.new_cache(), encoder.new_cache());
+        encode(&prompt, &mut reference);
+        encode(&accepted, &mut reference);
+        encode(&prompt, &mut cut);
+        encode(&drafted, &mut cut);
+        cut.truncate(7).unwrap();
+        assert!(cut.layers.iter().all(|layer| layer.len() == 7), "{name}");
+        assert_close(
+            &format!("{name} encoder"),
+            encode(&next, &mut cut),
+            encode(&next, &mut reference),
+            tolerance(name),
+        );
+
+        let decode = |x: &Tensor<3>, cache: &mut _| {
+            decoder
+                .forward_cached(
+                    TransformerDecoderInput::new(x.clone(), memory.clone()),
+                    cache,
+                )
+                .unwrap()
+        };
+        let (mut reference, mut cut) = (decoder.new_cache(), decoder.new_cache());
+        decode(&prompt, &mut reference);
+        decode(&accepted, &mut reference);
+        decode(&prompt, &mut cut);
+        decode(&drafted, &mut cut);
+        cut.truncate(7).unwrap();
+        assert_close(
+            &format!("{name} decoder"),
+            decode(&next, &mut cut),
+            decode(&next, &mut reference),
+            tolerance(name),
+        );
+
+        // The second layer's cache keeps a window of 4: it evicted what a cut to 6 needs.
+        let mut cache = encoder.new_cache();
+        cache.layers[1] = KvCache::with_limit(mha::CacheLimit::SlidingWindow(4));
+        encode(&prompt, &mut cache);
+        encode(&accepted, &mut cache);
+        assert_eq!(
+            cache.truncate(6),
+            Err(mha::CacheError::Evicted {
+                len: 6,
+                sees_from: 3,
+                held_from: 4
+            }),
+            "{name}"
+        );
+        assert!(
+            cache.layers.iter().all(|layer| layer.len() == 7),
+            "{name}: a refused cut changed a layer"
+        );
+    }
+}
+
 /// Training through the layers reaches every parameter: attention (the flash path under
 /// `Auto` on CPU), feed-forward and norms.
 #[test]

@@ -329,3 +329,117 @@ fn masks_over_every_position_fed_hold_after_a_window_evicts() {
         }
     }
 }
+
+/// A window's cache is cut back ([`KvCache::truncate`]) while it holds every position its next
+/// query sees: before a sliding window has evicted, or to a streaming window's sinks; past
+/// that a cut is refused, naming the positions, and the cache goes on unchanged.
+#[test]
+fn a_window_cache_is_cut_back_only_to_positions_it_still_holds() {
+    let device = Device::flex();
+    let _seed = common::seed(&device, 31);
+    let module = MultiHeadAttentionConfig::new(8, 2)
+        .with_rope(Some(RopeConfig::new()))
+        .init(&device);
+    let x = randn([1, 12, 8], &device);
+    let other = randn([1, 4, 8], &device);
+    let step = |x: Tensor<3>, cache: &mut KvCache| {
+        module
+            .forward_cached(MhaInput::self_attn(x).causal(), cache)
+            .unwrap()
+            .context
+    };
+    let limits = [
+        CacheLimit::SlidingWindow(4),
+        CacheLimit::StreamingWindow {
+            sinks: 2,
+            window: 4,
+        },
+    ];
+    for limit in limits {
+        // Three positions: a window of 4 has evicted none, and a cut to 2 goes on as a cache
+        // fed 2.
+        let mut cut = KvCache::with_limit(limit);
+        step(x.clone().narrow(1, 0, 2), &mut cut);
+        step(other.clone().narrow(1, 0, 1), &mut cut);
+        cut.truncate(2).unwrap();
+        let mut reference = KvCache::with_limit(limit);
+        step(x.clone().narrow(1, 0, 2), &mut reference);
+        assert_close(
+            &format!("{limit:?} cut before evicting"),
+            decode(&module, &x.clone().narrow(1, 2, 7), &[1, 3, 2, 1], &mut cut),
+            decode(
+                &module,
+                &x.clone().narrow(1, 2, 7),
+                &[1, 3, 2, 1],
+                &mut reference,
+            ),
+            1e-5,
+        );
+        // Nine positions: the window evicted up to 6 (after the sinks), which the query at 8
+        // sees from 5.
+        assert_eq!(
+            cut.truncate(8),
+            Err(CacheError::Evicted {
+                len: 8,
+                sees_from: 5,
+                held_from: 6
+            }),
+            "{limit:?}"
+        );
+        assert_eq!(
+            (cut.len(), cut.stored()),
+            reference_sizes(&reference),
+            "{limit:?}"
+        );
+        assert_close(
+            &format!("{limit:?} after a refused cut"),
+            step(x.clone().narrow(1, 9, 3), &mut cut),
+            step(x.clone().narrow(1, 9, 3), &mut reference),
+            1e-5,
+        );
+    }
+    // A window of 1 holds nothing: a cut only moves the next position.
+    let mut cut = KvCache::with_limit(CacheLimit::SlidingWindow(1));
+    decode(&module, &x, &[2, 1], &mut cut);
+    cut.truncate(1).unwrap();
+    assert_eq!((cut.len(), cut.stored()), (1, 0));
+    let mut reference = KvCache::with_limit(CacheLimit::SlidingWindow(1));
+    step(x.clone().narrow(1, 0, 1), &mut reference);
+    assert_close(
+        "a window of 1 cut back",
+        step(other.clone(), &mut cut),
+        step(other.clone(), &mut reference),
+        1e-5,
+    );
+    // The sinks are held for good: a streaming cache is cut back to them however long it is,
+    // and not one position past them.
+    let limit = CacheLimit::StreamingWindow {
+        sinks: 2,
+        window: 4,
+    };
+    let mut cut = KvCache::with_limit(limit);
+    decode(&module, &x, &[5, 7], &mut cut);
+    assert_eq!(
+        cut.truncate(3),
+        Err(CacheError::Evicted {
+            len: 3,
+            sees_from: 2,
+            held_from: 9
+        })
+    );
+    cut.truncate(2).unwrap();
+    assert_eq!((cut.len(), cut.stored()), (2, 2));
+    let mut reference = KvCache::with_limit(limit);
+    step(x.clone().narrow(1, 0, 2), &mut reference);
+    assert_close(
+        "streaming cut to its sinks",
+        step(other.clone(), &mut cut),
+        step(other, &mut reference),
+        1e-5,
+    );
+}
+
+/// A cache's length and positions held.
+fn reference_sizes(cache: &KvCache) -> (usize, usize) {
+    (cache.len(), cache.stored())
+}

@@ -217,6 +217,19 @@ pub struct TransformerDecoderCache {
     pub memory: Vec<Option<CrossAttentionCache>>,
 }
 
+impl TransformerDecoderCache {
+    /// Cuts every layer's self-attention cache (the projected memory stays) back to its first `len` positions ([`KvCache::truncate`]): speculative
+    /// decoding's rejected draft tokens through the stack, or a reply regenerated from some
+    /// point.
+    ///
+    /// # Errors
+    ///
+    /// As [`KvCache::truncate`], from the first layer that refuses; no layer is then changed.
+    pub fn truncate(&mut self, len: usize) -> Result<(), CacheError> {
+        KvCache::truncate_all(&mut self.self_attention, len)
+    }
+}
+
 impl TransformerDecoderLayer {
     /// A layer of `config`.
     pub fn new(config: &TransformerDecoderConfig, device: &Device) -> Self {

@@ -187,6 +187,19 @@ pub struct TransformerEncoderCache {
     pub layers: Vec<KvCache>,
 }
 
+impl TransformerEncoderCache {
+    /// Cuts every layer's cache back to its first `len` positions ([`KvCache::truncate`]): speculative
+    /// decoding's rejected draft tokens through the stack, or a reply regenerated from some
+    /// point.
+    ///
+    /// # Errors
+    ///
+    /// As [`KvCache::truncate`], from the first layer that refuses; no layer is then changed.
+    pub fn truncate(&mut self, len: usize) -> Result<(), CacheError> {
+        KvCache::truncate_all(&mut self.layers, len)
+    }
+}
+
 impl TransformerEncoderLayer {
     /// A layer of `config`.
     pub fn new(config: &TransformerEncoderConfig, device: &Device) -> Self {
