@@ -12,8 +12,14 @@
 //! the caches had allocated at that moment (the pool's blocks, free ones included; a
 //! `KvCache`'s buffers with their room to grow).
 //!
+//! With `--window N` every layer attends within a sliding window of `N` positions: the paged
+//! cache gives each sequence's blocks behind its window back to the pool after every step, and
+//! the `KvCache`s keep the window's positions only, so each request's cache stays bounded
+//! however long it runs.
+//!
 //! ```sh
 //! cargo run --release --example serve -- --device flex   # or ndarray; wgpu with `--features wgpu`
+//! cargo run --release --example serve -- --window 64
 //! ```
 
 use std::collections::VecDeque;
@@ -21,7 +27,7 @@ use std::time::{Duration, Instant};
 
 use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig};
 use burn::tensor::{Device, Int, Tensor, TensorData};
-use burn_mha::device_from_args;
+use burn_mha::device_and_options;
 use mha::transformer::{
     PagedTransformerCache, TransformerEncoder, TransformerEncoderCache, TransformerEncoderConfig,
     TransformerEncoderInput,
@@ -88,11 +94,13 @@ struct Model {
 }
 
 impl Model {
-    fn new(device: &Device) -> Self {
+    /// A random model whose layers attend within `window` positions, if any.
+    fn new(window: Option<usize>, device: &Device) -> Self {
         Self {
             embedding: EmbeddingConfig::new(VOCAB, D_MODEL).init(device),
             stack: TransformerEncoderConfig::new(D_MODEL, 4 * D_MODEL, HEADS, LAYERS)
                 .with_n_kv_heads(Some(KV_HEADS))
+                .with_window(window)
                 .with_rope(Some(RopeConfig::new()))
                 .with_causal(true)
                 .with_norm_first(true)
@@ -146,7 +154,7 @@ impl Model {
                 TransformerEncoderInput::new(self.embed(tokens, device)),
                 cache,
             )
-            .expect("an unbounded cache");
+            .expect("the stack's own caches take every step");
         let last = hidden.narrow(1, tokens.len() - 1, 1).reshape([1, D_MODEL]);
         greedy(self.head.forward(last))[0]
     }
@@ -228,16 +236,55 @@ impl Served {
 struct Running {
     request: usize,
     id: SequenceId,
+    /// Positions of its whole prompt (its first step's, with the prefix it shares).
+    prompt_len: usize,
     /// Positions it may come to hold: its prompt and every token it wants (the last, sampled
     /// and not fed back, takes none; an upper bound).
     final_len: usize,
 }
 
 impl Running {
-    /// Blocks it has still to take from the pool (its shared prefix takes none).
+    /// Blocks it holds at most at any moment of its life: every position it comes to hold;
+    /// under a `window`, the blocks of its prompt (its first step takes blocks for every row
+    /// before it gives any back) or of the positions its window sees, whichever are more (the
+    /// blocks wholly behind the window of its next query are given back after every step:
+    /// between steps it holds at most `window.div_ceil(BLOCK_SIZE) + 1`, one more while a step
+    /// takes a block before giving one back).
+    fn peak_blocks(&self, window: Option<usize>) -> usize {
+        let every = self.final_len.div_ceil(BLOCK_SIZE);
+        match window {
+            None => every,
+            Some(window) => {
+                let seen = every.min(window.div_ceil(BLOCK_SIZE) + 2);
+                seen.max(self.prompt_len.div_ceil(BLOCK_SIZE))
+            }
+        }
+    }
+
+    /// Blocks it has still to take from the pool beyond those it holds now, which it keeps
+    /// to its end (without a window: its shared prefix takes none).
     fn blocks_to_take(&self, cache: &PagedTransformerCache) -> usize {
         let len = cache.len(self.id).expect("a running sequence");
         self.final_len.div_ceil(BLOCK_SIZE) - len.div_ceil(BLOCK_SIZE)
+    }
+}
+
+/// Whether the pool has room for every block of the `running` requests' futures and `joining`'s
+/// beside them, whatever order they take and give back blocks in. Without a window a request
+/// keeps every block it holds, so the blocks it has still to take must be free. Under a window
+/// it gives blocks back as it goes, and a block it shares (the system prompt's) stays in use
+/// while another request holds it, so each request's peak counts whole, shared blocks
+/// included: a bound that does not count the sharing.
+fn pool_holds(
+    cache: &PagedTransformerCache,
+    running: &[&Running],
+    joining: &[&Running],
+    window: Option<usize>,
+) -> bool {
+    let all = running.iter().chain(joining);
+    match window {
+        None => all.map(|run| run.blocks_to_take(cache)).sum::<usize>() <= cache.free_blocks(),
+        Some(_) => all.map(|run| run.peak_blocks(window)).sum::<usize>() <= MAX_BLOCKS,
     }
 }
 
@@ -249,7 +296,12 @@ fn full_prompt(request: &Request) -> Vec<i64> {
 /// Continuous batching: at every step the requests that arrived join (the part of their prompts
 /// the cache does not hold is prefilled in that step) while the pool has room for all their
 /// tokens, the others decode one token each, and a finished request leaves.
-fn serve_batched(model: &Model, requests: &[Request], device: &Device) -> Served {
+fn serve_batched(
+    model: &Model,
+    requests: &[Request],
+    window: Option<usize>,
+    device: &Device,
+) -> Served {
     let mut cache = model
         .stack
         .new_paged_cache(PagedKvCacheConfig::new(MAX_BLOCKS).with_block_size(BLOCK_SIZE));
@@ -261,10 +313,8 @@ fn serve_batched(model: &Model, requests: &[Request], device: &Device) -> Served
     let started = Instant::now();
     let mut peak_cache = CacheBytes::default();
     while !waiting.is_empty() || !running.is_empty() {
-        // Blocks the running requests will still take: a request joins only if the pool has
-        // room for all its tokens beside theirs.
-        let mut committed: usize = running.iter().map(|r| r.blocks_to_take(&cache)).sum();
-        // Each joining request and the rows of its prompt the cache does not hold.
+        // Each joining request and the rows of its prompt the cache does not hold: a request
+        // joins only if the pool has room for all its tokens beside the others'.
         let mut joining: Vec<(Running, usize)> = Vec::new();
         while let Some(&next) = waiting.front() {
             let request = &requests[next];
@@ -279,16 +329,18 @@ fn serve_batched(model: &Model, requests: &[Request], device: &Device) -> Served
             let run = Running {
                 request: next,
                 id: matched.id,
+                prompt_len: prompt.len(),
                 final_len: prompt.len() + request.output_len,
             };
-            let needs = run.blocks_to_take(&cache);
-            if committed + needs > cache.free_blocks() {
+            let others: Vec<&Running> = running.iter().collect();
+            let mut joined: Vec<&Running> = joining.iter().map(|(run, _)| run).collect();
+            joined.push(&run);
+            if !pool_holds(&cache, &others, &joined, window) {
                 cache
                     .remove_sequence(run.id)
                     .expect("the sequence just added");
                 break;
             }
-            committed += needs;
             waiting.pop_front();
             joining.push((run, matched.cached));
         }
@@ -399,20 +451,34 @@ fn report(way: &str, served: &Served) {
 }
 
 fn main() {
-    let (name, device) = device_from_args("serve");
+    let (name, device, options) = device_and_options("serve", &[("--window", "N")]);
+    let window = options[0]
+        .as_ref()
+        .map(|value| match value.parse::<usize>() {
+            Ok(window) if window > 0 => window,
+            _ => {
+                eprintln!(
+                    "error: `--window` takes a number of positions (at least 1), not `{value}`"
+                );
+                std::process::exit(2)
+            }
+        });
     device.seed(7);
-    let model = Model::new(&device);
+    let model = Model::new(window, &device);
     let requests = requests();
     let wanted: usize = requests.iter().map(|r| r.output_len).sum();
+    let attends = window.map_or("every position before it".to_string(), |window| {
+        format!("a sliding window of {window} positions")
+    });
     println!(
         "{REQUESTS} requests on {name}, one every {ARRIVAL_INTERVAL_MS} ms: a {SYSTEM_PROMPT}-token \
          system prompt then 16-192 tokens of their own, {wanted} tokens wanted in all; a \
          {LAYERS}-layer causal Transformer, d_model {D_MODEL}, 8 query / 2 key-value heads, \
-         greedy decoding\n"
+         each query attending to {attends}, greedy decoding\n"
     );
     // A short warm-up, so that neither way pays for first-use costs (allocator, threads).
     serve_one_at_a_time(&model, &requests[..1], &device);
-    let batched = serve_batched(&model, &requests, &device);
+    let batched = serve_batched(&model, &requests, window, &device);
     let alone = serve_one_at_a_time(&model, &requests, &device);
     println!(
         "| way | tokens/s | wall s | time to first token, ms (mean / median / max) | peak cache memory: stored / allocated |"
