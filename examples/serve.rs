@@ -452,16 +452,13 @@ fn report(way: &str, served: &Served) {
 
 fn main() {
     let (name, device, options) = device_and_options("serve", &[("--window", "N")]);
-    let window = options[0]
-        .as_ref()
+    let window = options
+        .value("--window")
         .map(|value| match value.parse::<usize>() {
             Ok(window) if window > 0 => window,
-            _ => {
-                eprintln!(
-                    "error: `--window` takes a number of positions (at least 1), not `{value}`"
-                );
-                std::process::exit(2)
-            }
+            _ => options.fail(&format!(
+                "`--window` takes a number of positions (at least 1), not `{value}`"
+            )),
         });
     device.seed(7);
     let model = Model::new(window, &device);

@@ -15,12 +15,12 @@ pub fn device_from_args(program: &str) -> (String, burn::tensor::Device) {
 }
 
 /// [`device_from_args`] for a program with options of its own: each `options` entry is a flag
-/// and what its value is (for the usage line, `("--window", "N")`); returns the device and, for
-/// each flag given, its value, in the order of `options`.
+/// and what its value is (for the usage line, `("--window", "N")`). Returns the device and the
+/// values given.
 pub fn device_and_options(
     program: &str,
     options: &[(&str, &str)],
-) -> (String, burn::tensor::Device, Vec<Option<String>>) {
+) -> (String, burn::tensor::Device, ProgramOptions) {
     let own: String = options
         .iter()
         .map(|(flag, value)| format!(" [{flag} {value}]"))
@@ -29,30 +29,64 @@ pub fn device_and_options(
         "usage: {program} [--device {}]{own}",
         DEVICE_NAMES.join("|")
     );
-    let fail = |message: String| -> ! {
-        eprintln!("error: {message}; {usage}");
-        std::process::exit(2)
+    let mut given = ProgramOptions {
+        usage,
+        values: options
+            .iter()
+            .map(|(flag, _)| (flag.to_string(), None))
+            .collect(),
     };
     let mut args = std::env::args().skip(1);
     let mut name = String::from("flex");
-    let mut values = vec![None; options.len()];
     while let Some(arg) = args.next() {
         let mut value_of = |flag: &str| {
             args.next()
-                .unwrap_or_else(|| fail(format!("`{flag}` needs a value")))
+                .unwrap_or_else(|| given.fail(&format!("`{flag}` needs a value")))
         };
         match arg.as_str() {
             "--device" => name = value_of("--device"),
             "--help" | "-h" => {
-                println!("{usage}");
+                println!("{}", given.usage);
                 std::process::exit(0)
             }
-            other => match options.iter().position(|(flag, _)| *flag == other) {
-                Some(index) => values[index] = Some(value_of(other)),
-                None => fail(format!("unexpected argument `{other}`")),
+            other => match given.values.iter().position(|(flag, _)| flag == other) {
+                Some(index) => {
+                    let value = value_of(other);
+                    given.values[index].1 = Some(value);
+                }
+                None => given.fail(&format!("unexpected argument `{other}`")),
             },
         }
     }
-    let device = device_by_name(&name).unwrap_or_else(|error| fail(error));
-    (name, device, values)
+    let device = device_by_name(&name).unwrap_or_else(|error| given.fail(&error));
+    (name, device, given)
+}
+
+/// A program's own options as [`device_and_options`] read them from its command line.
+pub struct ProgramOptions {
+    usage: String,
+    /// Each flag and the value given for it, if any.
+    values: Vec<(String, Option<String>)>,
+}
+
+impl ProgramOptions {
+    /// The value given for `flag`, if it was given.
+    ///
+    /// # Panics
+    ///
+    /// If `flag` is not one of the program's options.
+    pub fn value(&self, flag: &str) -> Option<&str> {
+        let (_, value) = self
+            .values
+            .iter()
+            .find(|(own, _)| own == flag)
+            .unwrap_or_else(|| panic!("`{flag}` is not an option of the program"));
+        value.as_deref()
+    }
+
+    /// Prints `message` with the usage line and exits with status 2: a bad argument.
+    pub fn fail(&self, message: &str) -> ! {
+        eprintln!("error: {message}; {}", self.usage);
+        std::process::exit(2)
+    }
 }

@@ -83,7 +83,8 @@ pub enum CacheLimit {
     },
 }
 
-/// Why a cached forward was refused. The cache is left unchanged.
+/// Why a cached forward, or a cut ([`KvCache::truncate`]), was refused. The cache is left
+/// unchanged.
 #[derive(Debug, Clone, PartialEq)]
 pub enum CacheError {
     /// The new tokens would take a [`CacheLimit::Fixed`] cache past its capacity.

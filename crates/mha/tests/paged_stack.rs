@@ -501,8 +501,8 @@ fn layers_under_different_windows_hold_different_blocks_and_a_fuller_later_layer
     assert_eq!(held(&paged), [(2, 4, Some(4)), (3, 3, Some(0))]);
     assert_eq!((paged.free_blocks(), paged.blocks_in_use()), (3, 3));
     assert_eq!(paged.first_held(a), Some(4));
-    // 16 more positions take 4 new blocks in each layer: the first layer has 4 free, the
-    // second 3.
+    // 16 more positions take 4 new blocks in each layer (alike: the blocks a layer gave back lie
+    // wholly behind the one it writes next): the first layer has 4 free, the second 3.
     let ids = vec![a; 16];
     assert_eq!(paged.blocks_needed(&ids), Ok(4));
     let before = held(&paged);

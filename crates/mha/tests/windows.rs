@@ -398,19 +398,12 @@ fn a_window_cache_is_cut_back_only_to_positions_it_still_holds() {
             1e-5,
         );
     }
-    // A window of 1 holds nothing: a cut only moves the next position.
+    // A window of 1 holds nothing: a cut only moves the next position (which its outputs, each
+    // query attending to itself alone, do not show).
     let mut cut = KvCache::with_limit(CacheLimit::SlidingWindow(1));
     decode(&module, &x, &[2, 1], &mut cut);
     cut.truncate(1).unwrap();
     assert_eq!((cut.len(), cut.stored()), (1, 0));
-    let mut reference = KvCache::with_limit(CacheLimit::SlidingWindow(1));
-    step(x.clone().narrow(1, 0, 1), &mut reference);
-    assert_close(
-        "a window of 1 cut back",
-        step(other.clone(), &mut cut),
-        step(other.clone(), &mut reference),
-        1e-5,
-    );
     // The sinks are held for good: a streaming cache is cut back to them however long it is,
     // and not one position past them.
     let limit = CacheLimit::StreamingWindow {

@@ -35,8 +35,8 @@ impl KvCache {
             self.undo = UndoLog::On(None);
         }
         // A cut the window allows keeps the first `len` positions held: none before `len` was
-        // evicted, or (a window of 1, or one that holds only its sinks) all it holds, which for
-        // a window of 1 without sinks is nothing (no buffers).
+        // evicted (a cut into a streaming window's sinks keeps that many of them), or, under a
+        // window of 1, the positions it holds, its sinks or none.
         let kept = len.min(self.stored());
         self.seen = len;
         self.key = self.key.take().map(|stored| stored.truncated(kept));

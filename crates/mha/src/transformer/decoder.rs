@@ -218,9 +218,9 @@ pub struct TransformerDecoderCache {
 }
 
 impl TransformerDecoderCache {
-    /// Cuts every layer's self-attention cache (the projected memory stays) back to its first `len` positions ([`KvCache::truncate`]): speculative
-    /// decoding's rejected draft tokens through the stack, or a reply regenerated from some
-    /// point.
+    /// Cuts every layer's self-attention cache back to its first `len` positions
+    /// ([`KvCache::truncate`]; the projected memory stays): speculative decoding's rejected
+    /// draft tokens through the stack, or a reply regenerated from some point.
     ///
     /// # Errors
     ///

@@ -188,9 +188,9 @@ pub struct TransformerEncoderCache {
 }
 
 impl TransformerEncoderCache {
-    /// Cuts every layer's cache back to its first `len` positions ([`KvCache::truncate`]): speculative
-    /// decoding's rejected draft tokens through the stack, or a reply regenerated from some
-    /// point.
+    /// Cuts every layer's cache back to its first `len` positions ([`KvCache::truncate`]):
+    /// speculative decoding's rejected draft tokens through the stack, or a reply regenerated
+    /// from some point.
     ///
     /// # Errors
     ///

@@ -8,9 +8,9 @@ use super::residual;
 use crate::{PagedCacheError, PagedKvCache, PagedKvCacheConfig, PromptMatch, SequenceId, Token};
 
 /// One [`PagedKvCache`] per layer of a causal [`TransformerEncoder`], holding the same
-/// sequences with the same block tables (but for the blocks each layer gives back behind its
-/// attention's sliding window, if any), for
-/// [`TransformerEncoder::forward_paged`]. Made by
+/// sequences, for [`TransformerEncoder::forward_paged`]. Layers whose attentions have the same
+/// sliding window (or none) hold the same block tables; under different windows each gives back
+/// the blocks behind its own, and their pools differ. Made by
 /// [`TransformerEncoder::new_paged_cache`].
 #[derive(Debug, Clone)]
 pub struct PagedTransformerCache {
@@ -339,7 +339,11 @@ impl TransformerEncoder {
                 Err(error) => {
                     // A later layer's refusal (f16's range, or a fuller pool under another
                     // window): the layers before it stored the step, and take it back, so that
-                    // the layers stay in step.
+                    // the layers stay in step. Each forgets the filings of the blocks it
+                    // overwrote; the later layers forget those of every such block, so that
+                    // alike layers stay alike (under different windows the numbers may name
+                    // other blocks of a later layer's pool, whose filings are then lost: fewer
+                    // prompts share them, nothing wrong is shared).
                     let mut overwritten = Vec::new();
                     for stored in &mut cache.layers[..index] {
                         overwritten.extend(stored.undo_last_step());

@@ -1,9 +1,10 @@
 //! Taking a stored step back, for the layers of a
 //! [`PagedTransformerCache`](crate::transformer::PagedTransformerCache): a later layer may
-//! refuse a step ([`PagedCacheError::BeyondHalfRange`](super::PagedCacheError)) after the layers
-//! before it stored it, and every layer must then be as it was, so that the layers keep the
-//! same block tables, free blocks and filed prefixes (a step is then refused by all of them or
-//! by none).
+//! refuse a step after the layers before it stored it (its keys beyond f16's range,
+//! [`PagedCacheError::BeyondHalfRange`](super::PagedCacheError), or, where the layers' sliding
+//! windows differ, a pool with fewer free blocks), and every layer must then be as it was: the
+//! same sequences, and, where the layers are alike, the same block tables, free blocks and
+//! filed prefixes.
 //!
 //! Bookkeeping is restored from what [`StepUndo`] kept. Block contents need restoring in one
 //! case only: a block shared by several sequences of the step, copied by all but the last,
