@@ -12,6 +12,7 @@ use burn::tensor::{Bool, DType, Device, Tensor};
 use crate::mask::Positions;
 use crate::paged::StoredBlocks;
 
+mod select;
 mod storage;
 mod stored;
 mod tiled;

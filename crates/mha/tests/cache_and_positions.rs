@@ -177,19 +177,27 @@ fn a_cloned_cache_and_its_original_append_independently() {
 /// tokens: the same as a cache that was only ever fed the accepted ones, in every storage and
 /// configuration, on every test device. Past its length a cut changes nothing; to 0 it empties
 /// the cache.
+/// `module`'s causal step of `x` through `cache`, with a padding mask if any.
+fn causal_step(
+    module: &mha::MultiHeadAttention,
+    x: Tensor<3>,
+    padding: Option<Tensor<2, Bool>>,
+    cache: &mut KvCache,
+) -> Tensor<3> {
+    let mut input = MhaInput::self_attn(x).causal();
+    if let Some(padding) = padding {
+        input = input.key_padding_mask(padding);
+    }
+    module.forward_cached(input, cache).unwrap().context
+}
+
 #[test]
 fn a_cut_cache_decodes_as_if_only_its_first_positions_had_been_fed() {
     for (name, device) in test_devices() {
         let _seed = common::seed(&device, 29);
         for (label, config) in configs() {
             let module = config.init(&device);
-            let step = |x: Tensor<3>, padding: Option<Tensor<2, Bool>>, cache: &mut KvCache| {
-                let mut input = MhaInput::self_attn(x).causal();
-                if let Some(padding) = padding {
-                    input = input.key_padding_mask(padding);
-                }
-                module.forward_cached(input, cache).unwrap().context
-            };
+            let step = |x, padding, cache: &mut KvCache| causal_step(&module, x, padding, cache);
             let (prompt, accepted) = (randn([2, 6, 16], &device), randn([2, 2, 16], &device));
             let (rejected, next) = (randn([2, 3, 16], &device), randn([2, 2, 16], &device));
             let padding = Tensor::<2, Bool>::from_data(
@@ -220,6 +228,75 @@ fn a_cut_cache_decodes_as_if_only_its_first_positions_had_been_fed() {
                 assert!(cut.is_empty() && cut.stored() == 0, "{case}");
                 assert_eq!(cut.bytes(), 0, "{case}: an empty cache holds no buffers");
             }
+        }
+    }
+}
+
+/// Beam search's shape: a batch of three prompts (one left-padded) and a step, then the
+/// elements kept reordered and repeated (`select_batch(&[2, 0, 0, 1])`): each element of the
+/// next steps equals decoding the sequence it continues, here a cache fed the chosen rows from
+/// the start; in every configuration and storage, unbounded and under a window that has
+/// evicted, on every test device. An empty or out-of-range choice panics naming `elements`.
+#[test]
+fn a_cache_of_chosen_batch_elements_continues_each_chosen_sequence() {
+    let chosen = [2usize, 0, 0, 1];
+    for (name, device) in test_devices() {
+        let _seed = common::seed(&device, 33);
+        let rows = Tensor::<1, burn::tensor::Int>::from_data(
+            TensorData::new(chosen.map(|row| row as i64).to_vec(), [chosen.len()]),
+            &device,
+        );
+        for (label, config) in configs() {
+            let module = config.init(&device);
+            let step = |x, padding, cache: &mut KvCache| causal_step(&module, x, padding, cache);
+            // 66 positions: two of a compressed cache's tiles of 64 on flex and ndarray.
+            let (prompt, second) = (randn([3, 66, 16], &device), randn([3, 2, 16], &device));
+            let next = randn([4, 2, 16], &device);
+            // The second prompt left-padded by two positions.
+            let padded: Vec<bool> = (0..3 * 66).map(|i| i / 66 == 1 && i % 66 < 2).collect();
+            let padding = Tensor::<2, Bool>::from_data(TensorData::new(padded, [3, 66]), &device);
+            for storage in common::storages(&device) {
+                for limit in [CacheLimit::Unbounded, CacheLimit::SlidingWindow(4)] {
+                    let case = format!("{name} {label} {storage:?} {limit:?}");
+                    let new_cache = || KvCache::with_limit(limit).with_storage(storage);
+                    let mut selected = new_cache();
+                    step(prompt.clone(), Some(padding.clone()), &mut selected);
+                    step(second.clone(), None, &mut selected);
+                    selected.select_batch(&chosen);
+                    let mut reference = new_cache();
+                    let chosen_rows = |x: &Tensor<3>| x.clone().select(0, rows.clone());
+                    let chosen_padding = Tensor::cat(
+                        chosen
+                            .iter()
+                            .map(|&row| padding.clone().narrow(0, row, 1))
+                            .collect(),
+                        0,
+                    );
+                    step(chosen_rows(&prompt), Some(chosen_padding), &mut reference);
+                    step(chosen_rows(&second), None, &mut reference);
+                    assert_eq!(
+                        (selected.len(), selected.stored()),
+                        (reference.len(), reference.stored()),
+                        "{case}"
+                    );
+                    assert_close(
+                        &case,
+                        step(next.clone(), None, &mut selected),
+                        step(next.clone(), None, &mut reference),
+                        tolerance(name),
+                    );
+                }
+            }
+        }
+        let mut cache = KvCache::new();
+        let module = MultiHeadAttentionConfig::new(16, 4).init(&device);
+        decode(&module, &randn([3, 2, 16], &device), &[2], &mut cache);
+        for (elements, expected) in [
+            (vec![], "`elements` is empty"),
+            (vec![0, 3], "`elements` names element 3 of a batch of 3"),
+        ] {
+            let message = common::panic_message(|| cache.clone().select_batch(&elements));
+            assert!(message.contains(expected), "{name}: {message}");
         }
     }
 }

@@ -235,6 +235,21 @@ fn cached_decoding_through_a_stack_equals_its_full_forward() {
     }
 }
 
+/// A causal encoder stack (GQA, RoPE) and a decoder stack (ALiBi), two layers of d_model 16.
+fn small_stacks(device: &Device) -> (TransformerEncoder, TransformerDecoder) {
+    let encoder = TransformerEncoderConfig::new(16, 32, 4, 2)
+        .with_dropout(0.0)
+        .with_n_kv_heads(Some(2))
+        .with_rope(Some(RopeConfig::new()))
+        .with_causal(true)
+        .init(device);
+    let decoder = TransformerDecoderConfig::new(16, 32, 4, 2)
+        .with_dropout(0.0)
+        .with_alibi(true)
+        .init(device);
+    (encoder, decoder)
+}
+
 /// Draft tokens rejected through a whole stack: each layer's cache cut back
 /// (`TransformerEncoderCache::truncate`, `TransformerDecoderCache::truncate`) decodes the next
 /// tokens as the caches that were only fed the accepted ones; a cut that one layer's window
@@ -243,16 +258,7 @@ fn cached_decoding_through_a_stack_equals_its_full_forward() {
 fn a_cut_stack_cache_decodes_as_if_only_its_first_positions_had_been_fed() {
     for (name, device) in test_devices() {
         let _seed = common::seed(&device, 56);
-        let encoder = TransformerEncoderConfig::new(16, 32, 4, 2)
-            .with_dropout(0.0)
-            .with_n_kv_heads(Some(2))
-            .with_rope(Some(RopeConfig::new()))
-            .with_causal(true)
-            .init(&device);
-        let decoder = TransformerDecoderConfig::new(16, 32, 4, 2)
-            .with_dropout(0.0)
-            .with_alibi(true)
-            .init(&device);
+        let (encoder, decoder) = small_stacks(&device);
         let (prompt, accepted) = (randn([2, 5, 16], &device), randn([2, 2, 16], &device));
         let (rejected, next) = (randn([2, 3, 16], &device), randn([2, 2, 16], &device));
         let drafted = Tensor::cat(vec![accepted.clone(), rejected], 1);
@@ -315,6 +321,76 @@ fn a_cut_stack_cache_decodes_as_if_only_its_first_positions_had_been_fed() {
         assert!(
             cache.layers.iter().all(|layer| layer.len() == 7),
             "{name}: a refused cut changed a layer"
+        );
+    }
+}
+
+/// Beams through whole stacks: every layer's cache (and the decoder's projected memory) keeps
+/// the chosen batch elements, reordered and repeated, and the next steps equal the stacks'
+/// caches fed the chosen rows from the start.
+#[test]
+fn stack_caches_of_chosen_batch_elements_continue_each_chosen_sequence() {
+    let chosen = [1usize, 1, 0];
+    for (name, device) in test_devices() {
+        let _seed = common::seed(&device, 57);
+        let rows = Tensor::<1, burn::tensor::Int>::from_data(
+            TensorData::new(chosen.map(|row| row as i64).to_vec(), [chosen.len()]),
+            &device,
+        );
+        let chosen_rows = |x: &Tensor<3>| x.clone().select(0, rows.clone());
+        let (encoder, decoder) = small_stacks(&device);
+        let (prompt, next) = (randn([2, 4, 16], &device), randn([3, 2, 16], &device));
+        let memory = randn([2, 5, 16], &device);
+        let memory_pad = padding(2, 5, 2, &device);
+
+        let encode = |x: Tensor<3>, cache: &mut _| {
+            encoder
+                .forward_cached(TransformerEncoderInput::new(x), cache)
+                .unwrap()
+        };
+        let (mut selected, mut reference) = (encoder.new_cache(), encoder.new_cache());
+        encode(prompt.clone(), &mut selected);
+        selected.select_batch(&chosen);
+        encode(chosen_rows(&prompt), &mut reference);
+        assert_close(
+            &format!("{name} encoder"),
+            encode(next.clone(), &mut selected),
+            encode(next.clone(), &mut reference),
+            tolerance(name),
+        );
+
+        let decode = |x: Tensor<3>, memory: &Tensor<3>, pad: &Tensor<2, Bool>, cache: &mut _| {
+            decoder
+                .forward_cached(
+                    TransformerDecoderInput::new(x, memory.clone()).memory_mask_pad(pad.clone()),
+                    cache,
+                )
+                .unwrap()
+        };
+        let (mut selected, mut reference) = (decoder.new_cache(), decoder.new_cache());
+        decode(prompt.clone(), &memory, &memory_pad, &mut selected);
+        selected.select_batch(&chosen);
+        let (memory_kept, pad_kept) = (
+            chosen_rows(&memory),
+            Tensor::cat(
+                chosen
+                    .iter()
+                    .map(|&row| memory_pad.clone().narrow(0, row, 1))
+                    .collect(),
+                0,
+            ),
+        );
+        decode(
+            chosen_rows(&prompt),
+            &memory_kept,
+            &pad_kept,
+            &mut reference,
+        );
+        assert_close(
+            &format!("{name} decoder"),
+            decode(next.clone(), &memory_kept, &pad_kept, &mut selected),
+            decode(next.clone(), &memory_kept, &pad_kept, &mut reference),
+            tolerance(name),
         );
     }
 }

@@ -460,6 +460,46 @@ impl Stored {
         }
     }
 
+    /// The batch elements `elements` (`[batch, ..]` indices, in order, repeats allowed) of the
+    /// buffers, each holding what it held: a new buffer of `elements.len()` elements with the
+    /// same room (in tiles, element `i`'s tile `t` is block `t · elements.len() + i`).
+    pub(super) fn with_batch_elements(self, elements: &[usize]) -> Self {
+        let buffer = match &self.elements {
+            Elements::Float(buffer) => buffer,
+            Elements::Int8 { scales, .. } => scales,
+        };
+        let blocks: Vec<i64> = match self.layout {
+            Layout::PositionMajor => elements.iter().map(|&e| e as i64).collect(),
+            Layout::Tiles { batch, .. } => (0..buffer.dims()[0] / batch)
+                .flat_map(|tile| elements.iter().map(move |&e| (tile * batch + e) as i64))
+                .collect(),
+        };
+        let count = blocks.len();
+        let blocks = Tensor::<1, Int>::from_data(
+            burn::tensor::TensorData::new(blocks, [count]),
+            &buffer.device(),
+        );
+        let elements_kept = match self.elements {
+            Elements::Float(buffer) => Elements::Float(buffer.select(0, blocks)),
+            Elements::Int8 { values, scales } => Elements::Int8 {
+                values: values.select(0, blocks.clone()),
+                scales: scales.select(0, blocks),
+            },
+        };
+        let layout = match self.layout {
+            Layout::PositionMajor => Layout::PositionMajor,
+            Layout::Tiles { within, .. } => Layout::Tiles {
+                batch: elements.len(),
+                within,
+            },
+        };
+        Self {
+            elements: elements_kept,
+            held: self.held,
+            layout,
+        }
+    }
+
     /// Bytes the stored tensors take.
     pub(super) fn bytes(&self) -> usize {
         let size = |dims: [usize; 4], dtype: DType| dims.iter().product::<usize>() * dtype.size();

@@ -228,6 +228,23 @@ impl TransformerDecoderCache {
     pub fn truncate(&mut self, len: usize) -> Result<(), CacheError> {
         KvCache::truncate_all(&mut self.self_attention, len)
     }
+
+    /// Keeps the batch elements `elements` of every layer's self-attention cache and projected
+    /// memory, in that order, each as many times as it is named ([`KvCache::select_batch`],
+    /// [`CrossAttentionCache::select_batch`]): beam search's surviving beams, a finished
+    /// sequence leaving the batch. The next step's memory is that of the elements kept.
+    ///
+    /// # Panics
+    ///
+    /// As [`KvCache::select_batch`].
+    pub fn select_batch(&mut self, elements: &[usize]) {
+        for cache in &mut self.self_attention {
+            cache.select_batch(elements);
+        }
+        for memory in self.memory.iter_mut().flatten() {
+            memory.select_batch(elements);
+        }
+    }
 }
 
 impl TransformerDecoderLayer {

@@ -198,6 +198,19 @@ impl TransformerEncoderCache {
     pub fn truncate(&mut self, len: usize) -> Result<(), CacheError> {
         KvCache::truncate_all(&mut self.layers, len)
     }
+
+    /// Keeps the batch elements `elements` of every layer's cache, in that order, each as many
+    /// times as it is named ([`KvCache::select_batch`]): beam search's surviving beams, a
+    /// finished sequence leaving the batch, one prompt repeated for several samples.
+    ///
+    /// # Panics
+    ///
+    /// As [`KvCache::select_batch`].
+    pub fn select_batch(&mut self, elements: &[usize]) {
+        for cache in &mut self.layers {
+            cache.select_batch(elements);
+        }
+    }
 }
 
 impl TransformerEncoderLayer {
