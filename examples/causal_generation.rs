@@ -163,14 +163,8 @@ fn log_probability(model: &TinyLm, prompt: &[i64], generated: &[i64], device: &D
 /// Greedy decoding of `count` tokens after `prompt`, speculatively: the first layer alone (the
 /// draft) proposes `DRAFTED` tokens one at a time, the whole model scores them with the token
 /// before them in one step, the drafts up to the first it disagrees with are kept with its own
-/// next token, and both caches are cut back to the positions kept. Returns the tokens and the
-/// drafts kept, of those proposed.
-fn speculative(
-    model: &TinyLm,
-    prompt: &[i64],
-    count: usize,
-    device: &Device,
-) -> (Vec<i64>, [usize; 2]) {
+/// next token, and both caches are cut back to the positions kept.
+fn speculative(model: &TinyLm, prompt: &[i64], count: usize, device: &Device) -> Speculated {
     let (mut target, mut draft) = (caches(LAYERS), caches(1));
     let greedy = |logits: Tensor<3>| -> Vec<i64> {
         logits
@@ -186,7 +180,11 @@ fn speculative(
         .last()
         .expect("a prompt");
     let (mut generated, mut kept, mut proposed) = (Vec::new(), 0, 0);
-    while generated.len() < count {
+    let mut caches_apart = None;
+    for round in 0.. {
+        if generated.len() >= count {
+            break;
+        }
         // Both caches hold the prompt and `generated`; `next` is fed to neither yet.
         let held = prompt.len() + generated.len();
         let mut drafts = Vec::with_capacity(DRAFTED);
@@ -228,9 +226,26 @@ fn speculative(
                 1,
             );
         }
+        if caches_apart.is_none() && draft[0].len() != target[0].len() {
+            caches_apart = Some(round);
+        }
     }
     generated.truncate(count);
-    (generated, [kept, proposed])
+    Speculated {
+        tokens: generated,
+        drafts: [kept, proposed],
+        caches_apart,
+    }
+}
+
+/// What speculative decoding gave.
+struct Speculated {
+    tokens: Vec<i64>,
+    /// Drafted tokens kept, of those proposed.
+    drafts: [usize; 2],
+    /// The first round after which the draft's cache and the model's held different lengths (a
+    /// mistake that would only lower the drafts kept), if any.
+    caches_apart: Option<usize>,
 }
 
 fn argmax(logits: Tensor<2>) -> i64 {
@@ -244,34 +259,47 @@ fn main() {
     let prompt: Vec<i64> = (0..PROMPT as i64)
         .map(|i| (i * 7 + 3) % VOCAB as i64)
         .collect();
-    let tokens = |values: &[i64]| {
-        Tensor::<2, Int>::from_data(TensorData::new(values.to_vec(), [1, values.len()]), &device)
-    };
+    println!(
+        "device: {device_name}; {LAYERS} layers, d_model {D_MODEL}, 8 query / 2 key-value heads, RoPE"
+    );
+    println!("prompt {PROMPT} tokens, generated {NEW_TOKENS}");
+    let mut failures = Vec::new();
+    let greedy = check_greedy(&model, &prompt, &device, &mut failures);
+    check_beams(&model, &prompt, &device, &mut failures);
+    check_speculative(&model, &prompt, &greedy, &device, &mut failures);
+    if !failures.is_empty() {
+        eprintln!("error: {}", failures.join("; "));
+        std::process::exit(1);
+    }
+}
 
-    // With the cache: the prompt once, then one token per step.
+/// Greedy decoding with the cache (the prompt once, then one token per step) and without (the
+/// whole prefix at every step): the same tokens, returned (after the prompt).
+fn check_greedy(
+    model: &TinyLm,
+    prompt: &[i64],
+    device: &Device,
+    failures: &mut Vec<String>,
+) -> Vec<i64> {
+    let tokens = |values: &[i64]| tokens_of(&[values.to_vec()], device);
     let started = Instant::now();
-    let mut caches: Vec<KvCache> = (0..LAYERS).map(|_| KvCache::new()).collect();
-    let mut cached = prompt.clone();
-    let mut next = argmax(model.next_logits(tokens(&prompt), Some(&mut caches)));
+    let mut caches = caches(LAYERS);
+    let mut cached = prompt.to_vec();
+    let mut next = argmax(model.next_logits(tokens(prompt), Some(&mut caches)));
     for _ in 0..NEW_TOKENS {
         cached.push(next);
         next = argmax(model.next_logits(tokens(&[next]), Some(&mut caches)));
     }
     let cached_time = started.elapsed();
 
-    // Without: the whole prefix at every step.
     let started = Instant::now();
-    let mut recomputed = prompt.clone();
+    let mut recomputed = prompt.to_vec();
     for _ in 0..NEW_TOKENS {
         let next = argmax(model.next_logits(tokens(&recomputed), None));
         recomputed.push(next);
     }
     let recompute_time = started.elapsed();
 
-    println!(
-        "device: {device_name}; {LAYERS} layers, d_model {D_MODEL}, 8 query / 2 key-value heads, RoPE"
-    );
-    println!("prompt {PROMPT} tokens, generated {NEW_TOKENS}");
     println!(
         "KV cache:        {:8.2} ms per token",
         cached_time.as_secs_f64() * 1e3 / NEW_TOKENS as f64
@@ -284,18 +312,20 @@ fn main() {
     let same = cached == recomputed;
     println!("same tokens both ways: {same}");
     println!("last tokens: {:?}", &cached[cached.len() - 12..]);
-    let mut failures = Vec::new();
     if !same {
         failures.push("cached and recomputed generation differ".to_string());
     }
+    cached.split_off(prompt.len())
+}
 
-    // Beam search: each final beam's score against its tokens' log-probability recomputed.
+/// Beam search, each final beam's score against its tokens' log-probability recomputed.
+fn check_beams(model: &TinyLm, prompt: &[i64], device: &Device, failures: &mut Vec<String>) {
     let started = Instant::now();
-    let beams = beam_search(&model, &prompt, &device);
+    let beams = beam_search(model, prompt, device);
     let beam_time = started.elapsed();
     let off = beams
         .iter()
-        .map(|(tokens, score)| (score - log_probability(&model, &prompt, tokens, &device)).abs())
+        .map(|(tokens, score)| (score - log_probability(model, prompt, tokens, device)).abs())
         .fold(0.0f32, f32::max);
     println!(
         "beam search:     {BEAMS} beams, {BEAM_TOKENS} tokens in {:.1} ms; best log-probability \
@@ -308,35 +338,51 @@ fn main() {
             "a beam's score is {off} off its recomputed log-probability"
         ));
     }
+}
 
-    // Speculative decoding: greedy decoding's tokens, unless at a near tie of the model's two
-    // largest logits (the check step computes them in another order than one token at a time).
+/// Speculative decoding against `greedy`'s tokens: the same, unless at a near tie of the
+/// model's two largest logits (the check step computes them in another order than one token
+/// at a time).
+fn check_speculative(
+    model: &TinyLm,
+    prompt: &[i64],
+    greedy: &[i64],
+    device: &Device,
+    failures: &mut Vec<String>,
+) {
     let started = Instant::now();
-    let (speculated, [kept, proposed]) = speculative(&model, &prompt, NEW_TOKENS, &device);
+    let speculated = speculative(model, prompt, NEW_TOKENS, device);
     let speculative_time = started.elapsed();
+    let [kept, proposed] = speculated.drafts;
     println!(
         "speculative:     {:8.2} ms per token, {kept} of {proposed} drafted tokens kept",
         speculative_time.as_secs_f64() * 1e3 / NEW_TOKENS as f64
     );
-    let greedy = &cached[PROMPT..];
-    if let Some(at) = speculated.iter().zip(greedy).position(|(a, b)| a != b) {
-        let before = tokens(&cached[..PROMPT + at]);
-        let margin = top_two_margin(model.next_logits(before, None));
-        if margin < 1e-3 {
-            println!(
-                "speculative decoding parted from greedy at token {at}, a near tie ({margin:.1e})"
-            );
-        } else {
-            failures.push(format!(
-                "speculative decoding parted from greedy at token {at}"
-            ));
-        }
-    } else {
-        println!("speculative decoding gave greedy decoding's tokens");
+    if let Some(round) = speculated.caches_apart {
+        failures.push(format!(
+            "after speculative round {round} the draft's and the model's caches held different \
+             lengths"
+        ));
     }
-    if !failures.is_empty() {
-        eprintln!("error: {}", failures.join("; "));
-        std::process::exit(1);
+    let Some(at) = speculated
+        .tokens
+        .iter()
+        .zip(greedy)
+        .position(|(a, b)| a != b)
+    else {
+        println!("speculative decoding gave greedy decoding's tokens");
+        return;
+    };
+    let before = [prompt, &greedy[..at]].concat();
+    let margin = top_two_margin(model.next_logits(tokens_of(&[before], device), None));
+    if margin < 1e-3 {
+        println!(
+            "speculative decoding parted from greedy at token {at}, a near tie ({margin:.1e})"
+        );
+    } else {
+        failures.push(format!(
+            "speculative decoding parted from greedy at token {at}"
+        ));
     }
 }
 

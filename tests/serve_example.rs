@@ -60,7 +60,7 @@ fn continuous_batching_serves_every_request_the_tokens_of_serving_it_alone() {
     // Under a window of 32 positions each way stores less at its peak: the paged cache gives
     // back the blocks behind each sequence's window, a `KvCache` keeps the window only.
     let windowed = served(&["--device", "flex", "--window", "32"]);
-    for (way, (window, all)) in ["paged", "one at a time"]
+    for (way, (window, all)) in ["continuous batching", "one at a time"]
         .iter()
         .zip(windowed.iter().zip(every_position))
     {

@@ -163,7 +163,8 @@ impl fmt::Display for CacheError {
             Self::BatchChanged { cached, new } => write!(
                 f,
                 "KV cache batch size changed mid-sequence: the cache holds batch {cached}, this \
-                 step has batch {new} (start a new cache with KvCache::reset)"
+                 step has batch {new} (keep some of its elements with KvCache::select_batch, or \
+                 start a new cache with KvCache::reset)"
             ),
             Self::PaddingWidth {
                 width,

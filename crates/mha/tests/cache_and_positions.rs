@@ -172,11 +172,6 @@ fn a_cloned_cache_and_its_original_append_independently() {
     }
 }
 
-/// Speculative decoding's shape: a prompt (left-padded in one row), then the accepted draft
-/// tokens and rejected ones in one step, then a cut back to the accepted ones and the next
-/// tokens: the same as a cache that was only ever fed the accepted ones, in every storage and
-/// configuration, on every test device. Past its length a cut changes nothing; to 0 it empties
-/// the cache.
 /// `module`'s causal step of `x` through `cache`, with a padding mask if any.
 fn causal_step(
     module: &mha::MultiHeadAttention,
@@ -191,6 +186,11 @@ fn causal_step(
     module.forward_cached(input, cache).unwrap().context
 }
 
+/// Speculative decoding's shape: a prompt (left-padded in one row), then the accepted draft
+/// tokens and rejected ones in one step, then a cut back to the accepted ones and the next
+/// tokens: the same as a cache that was only ever fed the accepted ones, in every storage and
+/// configuration, on every test device. Past its length a cut changes nothing; to 0 it empties
+/// the cache.
 #[test]
 fn a_cut_cache_decodes_as_if_only_its_first_positions_had_been_fed() {
     for (name, device) in test_devices() {
@@ -256,7 +256,8 @@ fn a_cache_of_chosen_batch_elements_continues_each_chosen_sequence() {
             let padded: Vec<bool> = (0..3 * 66).map(|i| i / 66 == 1 && i % 66 < 2).collect();
             let padding = Tensor::<2, Bool>::from_data(TensorData::new(padded, [3, 66]), &device);
             for storage in common::storages(&device) {
-                for limit in [CacheLimit::Unbounded, CacheLimit::SlidingWindow(4)] {
+                // A window of 8 has evicted 61 positions in place, its 7 spread over two tiles.
+                for limit in [CacheLimit::Unbounded, CacheLimit::SlidingWindow(8)] {
                     let case = format!("{name} {label} {storage:?} {limit:?}");
                     let new_cache = || KvCache::with_limit(limit).with_storage(storage);
                     let mut selected = new_cache();

@@ -386,9 +386,11 @@ fn stack_caches_of_chosen_batch_elements_continue_each_chosen_sequence() {
             &pad_kept,
             &mut reference,
         );
+        // The selected cache's step gets the memory of two sequences: the projected memory it
+        // kept is what it attends to.
         assert_close(
             &format!("{name} decoder"),
-            decode(next.clone(), &memory_kept, &pad_kept, &mut selected),
+            decode(next.clone(), &memory, &memory_pad, &mut selected),
             decode(next.clone(), &memory_kept, &pad_kept, &mut reference),
             tolerance(name),
         );

@@ -52,7 +52,7 @@ impl CrossAttentionCache {
     /// If `elements` is empty or names an element past the memory's batch.
     pub fn select_batch(&mut self, elements: &[usize]) {
         check_elements(elements, self.batch(), "CrossAttentionCache::select_batch");
-        let index = indices(elements, &self.key.device());
+        let index = index_tensor(elements, &self.key.device());
         self.key = self.key.clone().select(0, index.clone());
         self.value = self.value.clone().select(0, index);
         self.key_padding_mask = self
@@ -74,10 +74,10 @@ fn check_elements(elements: &[usize], batch: usize, caller: &str) {
     }
 }
 
-/// `elements` as an index tensor on `device`.
-fn indices(elements: &[usize], device: &burn::tensor::Device) -> Tensor<1, Int> {
-    let values: Vec<i64> = elements.iter().map(|&element| element as i64).collect();
-    Tensor::from_data(TensorData::new(values, [elements.len()]), device)
+/// `indices` as an index tensor on `device`.
+pub(super) fn index_tensor(indices: &[usize], device: &burn::tensor::Device) -> Tensor<1, Int> {
+    let values: Vec<i64> = indices.iter().map(|&index| index as i64).collect();
+    Tensor::from_data(TensorData::new(values, [indices.len()]), device)
 }
 
 /// Rows `elements` of `mask`, in order. Why not `select`: flex's (burn 0.22.1) gives a bool

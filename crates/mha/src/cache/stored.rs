@@ -5,11 +5,12 @@ use burn::tensor::kind::Basic;
 use burn::tensor::{DType, Int, Tensor};
 
 use super::picked;
+use super::select::index_tensor;
 use super::storage::{CacheStorage, Quantized, dequantize_int8, in_dtype, quantize_int8};
 use super::tiled::{TILE, Within, grown, tiled, tiles_for, untiled, written};
 #[cfg(any(feature = "flex", feature = "ndarray"))]
 use super::widen;
-use crate::cpu::aligned::with_zeros_after;
+use crate::cpu::aligned::{line_aligned, with_zeros_after};
 use crate::cpu::native_storage;
 use crate::paged::{BlockTensor, StoredBlocks};
 
@@ -245,6 +246,21 @@ enum Elements {
 }
 
 impl Elements {
+    /// The buffers' length along their first axis (a batch, or tiles of every element).
+    fn blocks(&self) -> usize {
+        match self {
+            Self::Float(buffer) => buffer.dims()[0],
+            Self::Int8 { scales, .. } => scales.dims()[0],
+        }
+    }
+
+    fn device(&self) -> burn::tensor::Device {
+        match self {
+            Self::Float(buffer) => buffer.device(),
+            Self::Int8 { scales, .. } => scales.device(),
+        }
+    }
+
     /// `tensor` as `storage` stores it.
     fn encoded(tensor: Tensor<4>, storage: CacheStorage) -> Self {
         match storage {
@@ -460,41 +476,42 @@ impl Stored {
         }
     }
 
-    /// The batch elements `elements` (`[batch, ..]` indices, in order, repeats allowed) of the
-    /// buffers, each holding what it held: a new buffer of `elements.len()` elements with the
-    /// same room (in tiles, element `i`'s tile `t` is block `t · elements.len() + i`).
-    pub(super) fn with_batch_elements(self, elements: &[usize]) -> Self {
-        let buffer = match &self.elements {
-            Elements::Float(buffer) => buffer,
-            Elements::Int8 { scales, .. } => scales,
+    /// The batch elements `batch_indices` (in order, repeats allowed) of the buffers, each
+    /// holding what it held: new buffers of `batch_indices.len()` elements with the same room
+    /// (in tiles, element `i`'s tile `t` is block `t · batch_indices.len() + i`), on a cache
+    /// line on flex as grown buffers are ([`with_zeros_after`]).
+    pub(super) fn with_batch_elements(self, batch_indices: &[usize]) -> Self {
+        let blocks: Vec<usize> = match self.layout {
+            Layout::PositionMajor => batch_indices.to_vec(),
+            Layout::Tiles { batch, .. } => {
+                let tiles = self.elements.blocks() / batch;
+                (0..tiles)
+                    .flat_map(|tile| {
+                        batch_indices
+                            .iter()
+                            .map(move |&element| tile * batch + element)
+                    })
+                    .collect()
+            }
         };
-        let blocks: Vec<i64> = match self.layout {
-            Layout::PositionMajor => elements.iter().map(|&e| e as i64).collect(),
-            Layout::Tiles { batch, .. } => (0..buffer.dims()[0] / batch)
-                .flat_map(|tile| elements.iter().map(move |&e| (tile * batch + e) as i64))
-                .collect(),
-        };
-        let count = blocks.len();
-        let blocks = Tensor::<1, Int>::from_data(
-            burn::tensor::TensorData::new(blocks, [count]),
-            &buffer.device(),
-        );
-        let elements_kept = match self.elements {
-            Elements::Float(buffer) => Elements::Float(buffer.select(0, blocks)),
+        let blocks = index_tensor(&blocks, &self.elements.device());
+        let chosen = |buffer: Tensor<4>| line_aligned(buffer.select(0, blocks.clone()));
+        let buffers = match self.elements {
+            Elements::Float(buffer) => Elements::Float(chosen(buffer)),
             Elements::Int8 { values, scales } => Elements::Int8 {
-                values: values.select(0, blocks.clone()),
-                scales: scales.select(0, blocks),
+                values: line_aligned(values.select(0, blocks.clone())),
+                scales: chosen(scales),
             },
         };
         let layout = match self.layout {
             Layout::PositionMajor => Layout::PositionMajor,
             Layout::Tiles { within, .. } => Layout::Tiles {
-                batch: elements.len(),
+                batch: batch_indices.len(),
                 within,
             },
         };
         Self {
-            elements: elements_kept,
+            elements: buffers,
             held: self.held,
             layout,
         }
@@ -546,6 +563,33 @@ mod tests {
                 for (actual, expected) in read(&stored).iter().zip(&read(&expected)) {
                     actual.assert_eq(expected, true);
                 }
+                let buffers = match stored.elements {
+                    Elements::Float(buffer) => vec![starts_on_a_line(buffer)],
+                    Elements::Int8 { values, scales } => {
+                        vec![starts_on_a_line(values), starts_on_a_line(scales)]
+                    }
+                };
+                assert_eq!(buffers, vec![true; buffers.len()], "{storage:?} {side:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn chosen_batch_elements_start_on_a_cache_line_and_hold_their_positions() {
+        let device = Device::flex();
+        // Two elements of 70 positions: two tiles each when compressed.
+        let positions =
+            Tensor::<4>::random([2, 2, 70, 64], Distribution::Normal(0.0, 1.0), &device);
+        let chosen = [1, 0, 1];
+        let expected_positions = positions.clone().select(0, index_tensor(&chosen, &device));
+        for storage in [CacheStorage::Float, CacheStorage::Half, CacheStorage::Int8] {
+            for side in [Side::Key, Side::Value] {
+                let stored =
+                    Stored::new(positions.clone(), storage, side).with_batch_elements(&chosen);
+                let expected = Stored::new(expected_positions.clone(), storage, side);
+                assert_eq!(stored.layout, expected.layout, "{storage:?} {side:?}");
+                let read = |stored: &Stored| stored.read(DType::F32).into_data();
+                read(&stored).assert_eq(&read(&expected), true);
                 let buffers = match stored.elements {
                     Elements::Float(buffer) => vec![starts_on_a_line(buffer)],
                     Elements::Int8 { values, scales } => {

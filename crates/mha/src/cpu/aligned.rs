@@ -44,6 +44,16 @@ pub(crate) fn line_aligned_zeros<const D: usize, K: Basic>(
     None
 }
 
+/// `tensor` in a buffer of its own that starts on a cache line on flex
+/// ([`line_aligned_zeros`]); elsewhere `tensor` as it is.
+pub(crate) fn line_aligned<const D: usize, K: Basic>(tensor: Tensor<D, K>) -> Tensor<D, K> {
+    let dims = tensor.dims();
+    match line_aligned_zeros(dims, &tensor.device(), tensor.dtype()) {
+        Some(zeros) => zeros.slice_assign(dims.map(|size| 0..size), tensor),
+        None => tensor,
+    }
+}
+
 /// `tensor` with `extra` zero entries after its own along `axis`, in a new buffer: one that
 /// starts on a cache line on flex ([`line_aligned_zeros`]), else `Tensor::cat`'s.
 pub(crate) fn with_zeros_after<const D: usize, K: Basic>(
