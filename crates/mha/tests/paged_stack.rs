@@ -348,6 +348,8 @@ impl Served for StackHarness<'_> {
         let before = self.state();
         let needed = self.paged.blocks_needed(&ids).unwrap();
         let fits = needed <= self.paged.free_blocks();
+        // Alike layers: the aggregate says what each layer says.
+        assert_eq!(self.paged.fits(&ids), Ok(fits), "{}", self.label());
         let result = self.stack.forward_paged(x.clone(), &mut self.paged, &ids);
         check_blocks_needed(&self.label(), (needed, fits), &result);
         let output = match result {
@@ -505,6 +507,9 @@ fn layers_under_different_windows_hold_different_blocks_and_a_fuller_later_layer
     // wholly behind the one it writes next): the first layer has 4 free, the second 3.
     let ids = vec![a; 16];
     assert_eq!(paged.blocks_needed(&ids), Ok(4));
+    assert_eq!(paged.fits(&ids), Ok(false));
+    // 12 more take 3 in each: the second layer's pool holds them too.
+    assert_eq!(paged.fits(&ids[..12]), Ok(true));
     let before = held(&paged);
     assert_eq!(
         step(&mut paged, 16),

@@ -158,9 +158,9 @@ impl PagedTransformerCache {
 
     /// The blocks a step of `sequences` would take from the pool of the layer that needs the
     /// most ([`PagedKvCache::blocks_needed`]): the step fits if these are at most
-    /// [`free_blocks`](Self::free_blocks) (and, with layers under different sliding windows,
-    /// only if each layer's need is at most its own free blocks, which
-    /// [`layers`](Self::layers) tells).
+    /// [`free_blocks`](Self::free_blocks). Where the layers' sliding windows differ that is
+    /// enough but not needed (the layer that needs the most may not be the one with the fewest
+    /// free blocks); [`fits`](Self::fits) asks each layer.
     ///
     /// # Errors
     ///
@@ -175,6 +175,26 @@ impl PagedTransformerCache {
             most = most.max(cache.blocks_needed(sequences)?);
         }
         Ok(most)
+    }
+
+    /// Whether a step of `sequences` fits every layer's pool: each layer's
+    /// [`PagedKvCache::blocks_needed`] at most its own [`PagedKvCache::free_blocks`]. A step
+    /// that fits is not refused for want of blocks ([`PagedCacheError::PoolFull`]).
+    ///
+    /// # Errors
+    ///
+    /// As [`PagedKvCache::blocks_needed`].
+    ///
+    /// # Panics
+    ///
+    /// As [`PagedKvCache::blocks_needed`].
+    pub fn fits(&self, sequences: &[SequenceId]) -> Result<bool, PagedCacheError> {
+        for cache in &self.layers {
+            if cache.blocks_needed(sequences)? > cache.free_blocks() {
+                return Ok(false);
+            }
+        }
+        Ok(true)
     }
 
     /// Bytes of the blocks in use, all layers together.
