@@ -84,6 +84,16 @@ pub enum CacheLimit {
     },
 }
 
+impl CacheLimit {
+    /// The sliding window each query sees through, if the limit has one.
+    pub(crate) fn window(self) -> Option<usize> {
+        match self {
+            Self::SlidingWindow(window) | Self::StreamingWindow { window, .. } => Some(window),
+            Self::Unbounded | Self::Fixed(_) => None,
+        }
+    }
+}
+
 /// Why a cached forward, or a cut ([`KvCache::truncate`]), was refused. The cache is left
 /// unchanged.
 #[derive(Debug, Clone, PartialEq)]
@@ -454,12 +464,7 @@ impl KvCache {
             padding: self.padding_with(padding, batch, new, fed_columns.as_deref(), device)?,
             fed_columns,
             keys: stored + new,
-            window: match self.limit {
-                CacheLimit::SlidingWindow(window) | CacheLimit::StreamingWindow { window, .. } => {
-                    Some(window)
-                }
-                _ => None,
-            },
+            window: self.limit.window(),
         })
     }
 

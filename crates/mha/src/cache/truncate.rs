@@ -3,7 +3,7 @@
 //! llama.cpp's `seq_rm`).
 
 use super::undo::UndoLog;
-use super::{CacheError, CacheLimit, KvCache};
+use super::{CacheError, KvCache};
 
 impl KvCache {
     /// Cuts the cache back to its first `len` positions fed, as if only those had been fed:
@@ -11,7 +11,8 @@ impl KvCache {
     /// is copied); a `len` at or past [`len`](Self::len) changes nothing, as with
     /// `Vec::truncate`, and a `len` of 0 empties the cache as [`reset`](Self::reset) does.
     ///
-    /// Under a window ([`CacheLimit::SlidingWindow`], [`CacheLimit::StreamingWindow`]) the
+    /// Under a window ([`CacheLimit::SlidingWindow`](crate::CacheLimit::SlidingWindow),
+    /// [`CacheLimit::StreamingWindow`](crate::CacheLimit::StreamingWindow)) the
     /// cache holds only the positions its next query sees: once the window has evicted some,
     /// a cut would leave the query without positions it sees, and is refused (a streaming
     /// window's cache may still be cut back to its sinks). Keep a clone of the cache from
@@ -70,12 +71,7 @@ impl KvCache {
         if len >= self.seen {
             return Ok(false);
         }
-        let window = match self.limit {
-            CacheLimit::SlidingWindow(window) | CacheLimit::StreamingWindow { window, .. } => {
-                Some(window)
-            }
-            CacheLimit::Unbounded | CacheLimit::Fixed(_) => None,
-        };
+        let window = self.limit.window();
         let stored = self.stored();
         // The sinks held, then the latest positions from `held_from` on.
         let pinned = self.pinned(stored);
