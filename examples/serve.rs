@@ -12,6 +12,13 @@
 //! the caches had allocated at that moment (the pool's blocks, free ones included; a
 //! `KvCache`'s buffers with their room to grow).
 //!
+//! Requests join without a reservation for the tokens they will generate, as vLLM schedules:
+//! when the pool lacks a block for some request's next token, the request that joined last is
+//! preempted (its blocks go back to the pool) and comes back first, its prompt and the tokens it
+//! had generated recomputed but for the whole blocks the cache still holds. `--pool-blocks N`
+//! bounds the pool (512 blocks of 16 per layer by default, which hold the stream's peak); a
+//! smaller pool preempts, and the example prints how often.
+//!
 //! With `--window N` every layer attends within a sliding window of `N` positions: the paged
 //! cache gives each sequence's blocks behind its window back to the pool after every step, and
 //! the `KvCache`s keep the window's positions only, so each request's cache stays bounded
@@ -20,6 +27,7 @@
 //! ```sh
 //! cargo run --release --example serve -- --device flex   # or ndarray; wgpu with `--features wgpu`
 //! cargo run --release --example serve -- --window 64
+//! cargo run --release --example serve -- --pool-blocks 48
 //! ```
 
 use std::collections::VecDeque;
@@ -27,7 +35,7 @@ use std::time::{Duration, Instant};
 
 use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig};
 use burn::tensor::{Device, Int, Tensor, TensorData};
-use burn_mha::device_and_options;
+use burn_mha::{ProgramOptions, device_and_options};
 use mha::transformer::{
     PagedTransformerCache, TransformerEncoder, TransformerEncoderCache, TransformerEncoderConfig,
     TransformerEncoderInput,
@@ -45,8 +53,8 @@ const REQUESTS: usize = 32;
 /// A request arrives every this many milliseconds.
 const ARRIVAL_INTERVAL_MS: u64 = 2;
 const BLOCK_SIZE: usize = 16;
-/// The pool's bound, per layer: 8192 positions.
-const MAX_BLOCKS: usize = 512;
+/// The pool's bound per layer unless `--pool-blocks` says otherwise: 8192 positions.
+const POOL_BLOCKS: usize = 512;
 /// Tokens of the system prompt every request starts with (four whole blocks).
 const SYSTEM_PROMPT: usize = 64;
 
@@ -232,147 +240,204 @@ impl Served {
     }
 }
 
-/// A request being decoded in the batch.
+/// A request being decoded in the batch, and its sequence in the cache.
 struct Running {
     request: usize,
     id: SequenceId,
-    /// Positions of its whole prompt (its first step's, with the prefix it shares).
-    prompt_len: usize,
-    /// Positions it may come to hold: its prompt and every token it wants (the last, sampled
-    /// and not fed back, takes none; an upper bound).
-    final_len: usize,
 }
 
-impl Running {
-    /// Blocks it holds at most at any moment of its life: every position it comes to hold;
-    /// under a `window`, the blocks of its prompt (its first step takes blocks for every row
-    /// before it gives any back) or of the positions its window sees, whichever are more (the
-    /// blocks wholly behind the window of its next query are given back after every step:
-    /// between steps it holds at most `window.div_ceil(BLOCK_SIZE) + 1`, one more while a step
-    /// takes a block before giving one back).
-    fn peak_blocks(&self, window: Option<usize>) -> usize {
-        let every = self.final_len.div_ceil(BLOCK_SIZE);
-        match window {
-            None => every,
-            Some(window) => {
-                let seen = every.min(window.div_ceil(BLOCK_SIZE) + 2);
-                seen.max(self.prompt_len.div_ceil(BLOCK_SIZE))
-            }
+/// A request joining the batch in this step: the rows of its prompt the cache does not hold.
+struct Joining {
+    run: Running,
+    rows: Vec<i64>,
+}
+
+/// How often continuous batching took a request out of the batch to make room for the others'
+/// next tokens, and the positions those requests had to compute again when they came back.
+#[derive(Debug, Clone, Copy, Default)]
+struct Preemptions {
+    count: usize,
+    recomputed: usize,
+}
+
+/// Continuous batching over a pool of `pool_blocks` blocks per layer, as vLLM schedules: at
+/// every step the requests that arrived join (the part of their prompts the cache does not hold
+/// is prefilled in that step) while the step leaves a block free for each request that will
+/// decode after it, the others decode one token each, and a finished request leaves. A request
+/// joins without a reservation for the tokens it will generate, so the pool may come to lack a
+/// block for some request's next token: the request that joined last is then preempted (its
+/// blocks go back to the pool) and waits at the head of the queue, to come back with its prompt
+/// and the tokens it had generated, recomputed but for the whole blocks of them the cache still
+/// holds (its own blocks stay filed by their tokens until another request takes them).
+struct ContinuousBatching<'a> {
+    model: &'a Model,
+    requests: &'a [Request],
+    device: &'a Device,
+    cache: PagedTransformerCache,
+    waiting: VecDeque<usize>,
+    /// In the order they joined: the last is preempted first.
+    running: Vec<Running>,
+    tokens: Vec<Vec<i64>>,
+    margins: Vec<Vec<f32>>,
+    first_token: Vec<Duration>,
+    started: Instant,
+    peak_cache: CacheBytes,
+    preemptions: Preemptions,
+}
+
+impl<'a> ContinuousBatching<'a> {
+    fn new(
+        model: &'a Model,
+        requests: &'a [Request],
+        pool_blocks: usize,
+        device: &'a Device,
+    ) -> Self {
+        let config = PagedKvCacheConfig::new(pool_blocks).with_block_size(BLOCK_SIZE);
+        Self {
+            model,
+            requests,
+            device,
+            cache: model.stack.new_paged_cache(config),
+            waiting: (0..requests.len()).collect(),
+            running: Vec::new(),
+            tokens: vec![Vec::new(); requests.len()],
+            margins: vec![Vec::new(); requests.len()],
+            first_token: vec![Duration::ZERO; requests.len()],
+            started: Instant::now(),
+            peak_cache: CacheBytes::default(),
+            preemptions: Preemptions::default(),
         }
     }
 
-    /// Blocks it has still to take from the pool beyond those it holds now, which it keeps
-    /// to its end (without a window: its shared prefix takes none).
-    fn blocks_to_take(&self, cache: &PagedTransformerCache) -> usize {
-        let len = cache.len(self.id).expect("a running sequence");
-        self.final_len.div_ceil(BLOCK_SIZE) - len.div_ceil(BLOCK_SIZE)
+    fn serve(mut self) -> (Served, Preemptions) {
+        while !self.waiting.is_empty() || !self.running.is_empty() {
+            self.preempt_until_decoding_fits();
+            let joining = self.admit();
+            if self.running.is_empty() && joining.is_empty() {
+                let next = *self.waiting.front().expect("work left");
+                let arrival = self.requests[next].arrival;
+                std::thread::sleep(arrival.saturating_sub(self.started.elapsed()));
+                continue;
+            }
+            self.step(joining);
+        }
+        let served = Served {
+            tokens: self.tokens,
+            margins: self.margins,
+            wall: self.started.elapsed(),
+            first_token: self.first_token,
+            peak_cache: self.peak_cache,
+        };
+        (served, self.preemptions)
     }
-}
 
-/// Whether the pool has room for every block of the `running` requests' futures and `joining`'s
-/// beside them, whatever order they take and give back blocks in. Without a window a request
-/// keeps every block it holds, so the blocks it has still to take must be free. Under a window
-/// it gives blocks back as it goes, and a block it shares (the system prompt's) stays in use
-/// while another request holds it, so each request's peak counts whole, shared blocks
-/// included: a bound that does not count the sharing.
-fn pool_holds(
-    cache: &PagedTransformerCache,
-    running: &[&Running],
-    joining: &[&Running],
-    window: Option<usize>,
-) -> bool {
-    let all = running.iter().chain(joining);
-    match window {
-        None => all.map(|run| run.blocks_to_take(cache)).sum::<usize>() <= cache.free_blocks(),
-        Some(_) => all.map(|run| run.peak_blocks(window)).sum::<usize>() <= MAX_BLOCKS,
+    /// The running requests' sequences, one row each: the step that decodes them.
+    fn decoding(&self) -> Vec<SequenceId> {
+        self.running.iter().map(|run| run.id).collect()
     }
-}
 
-/// A request's whole prompt: the system prompt, then its own.
-fn full_prompt(request: &Request) -> Vec<i64> {
-    [system_prompt().as_slice(), &request.prompt].concat()
-}
+    /// Preempts the requests that joined last until the others' next tokens fit the pool.
+    fn preempt_until_decoding_fits(&mut self) {
+        while !self
+            .cache
+            .fits(&self.decoding())
+            .expect("running sequences")
+        {
+            // A request alone always fits: the pool holds the longest request whole.
+            let run = self.running.pop().expect("a request alone fits the pool");
+            self.cache
+                .remove_sequence(run.id)
+                .expect("a running sequence");
+            self.waiting.push_front(run.request);
+            self.preemptions.count += 1;
+        }
+    }
 
-/// Continuous batching: at every step the requests that arrived join (the part of their prompts
-/// the cache does not hold is prefilled in that step) while the pool has room for all their
-/// tokens, the others decode one token each, and a finished request leaves.
-fn serve_batched(
-    model: &Model,
-    requests: &[Request],
-    window: Option<usize>,
-    device: &Device,
-) -> Served {
-    let mut cache = model
-        .stack
-        .new_paged_cache(PagedKvCacheConfig::new(MAX_BLOCKS).with_block_size(BLOCK_SIZE));
-    let mut tokens: Vec<Vec<i64>> = requests.iter().map(|_| Vec::new()).collect();
-    let mut margins: Vec<Vec<f32>> = requests.iter().map(|_| Vec::new()).collect();
-    let mut first_token = vec![Duration::ZERO; requests.len()];
-    let mut waiting: VecDeque<usize> = (0..requests.len()).collect();
-    let mut running: Vec<Running> = Vec::new();
-    let started = Instant::now();
-    let mut peak_cache = CacheBytes::default();
-    while !waiting.is_empty() || !running.is_empty() {
-        // Each joining request and the rows of its prompt the cache does not hold: a request
-        // joins only if the pool has room for all its tokens beside the others'.
-        let mut joining: Vec<(Running, usize)> = Vec::new();
-        while let Some(&next) = waiting.front() {
-            let request = &requests[next];
-            if request.arrival > started.elapsed() {
+    /// Adds the requests that arrived, in order, while the step with their prompts leaves a
+    /// free block for each request that will decode after it (vLLM's watermark, so that one
+    /// joining does not preempt another at once); a preempted request comes back first.
+    fn admit(&mut self) -> Vec<Joining> {
+        let mut step = self.decoding();
+        let mut joining: Vec<Joining> = Vec::new();
+        while let Some(&next) = self.waiting.front() {
+            if self.requests[next].arrival > self.started.elapsed() {
                 break;
             }
-            let prompt = full_prompt(request);
+            // Its whole prompt and what it generated before a preemption, the last token
+            // generated not yet fed.
+            let prompt = [full_prompt(&self.requests[next]), self.tokens[next].clone()].concat();
             let tokens: Vec<Token> = prompt.iter().map(|&t| t as Token).collect();
-            // The system prompt's whole blocks, if a request in the batch (or one that left,
-            // its blocks not yet overwritten) computed them, are shared.
-            let matched = cache.add_sequence_with_prompt(&tokens);
-            let run = Running {
-                request: next,
-                id: matched.id,
-                prompt_len: prompt.len(),
-                final_len: prompt.len() + request.output_len,
+            // Whole blocks of it that a request in the batch (or one that left, its blocks
+            // not yet taken again) computed are shared.
+            let matched = self.cache.add_sequence_with_prompt(&tokens);
+            let rows = prompt[matched.cached..].to_vec();
+            step.extend(std::iter::repeat_n(matched.id, rows.len()));
+            // A request alone joins whenever it fits: the pool holds the longest request whole.
+            let alone = self.running.is_empty() && joining.is_empty();
+            let headroom = if alone {
+                0
+            } else {
+                self.running.len() + joining.len() + 1
             };
-            let others: Vec<&Running> = running.iter().collect();
-            let mut joined: Vec<&Running> = joining.iter().map(|(run, _)| run).collect();
-            joined.push(&run);
-            if !pool_holds(&cache, &others, &joined, window) {
-                cache
-                    .remove_sequence(run.id)
+            let needed = self
+                .cache
+                .blocks_needed(&step)
+                .expect("sequences of the cache");
+            if needed + headroom > self.cache.free_blocks() {
+                self.cache
+                    .remove_sequence(matched.id)
                     .expect("the sequence just added");
                 break;
             }
-            waiting.pop_front();
-            joining.push((run, matched.cached));
+            self.waiting.pop_front();
+            if !self.tokens[next].is_empty() {
+                // Rows it had computed before, all but the last token's.
+                self.preemptions.recomputed += rows.len() - 1;
+            }
+            let run = Running {
+                request: next,
+                id: matched.id,
+            };
+            joining.push(Joining { run, rows });
         }
-        if running.is_empty() && joining.is_empty() {
-            let arrival = requests[*waiting.front().expect("work left")].arrival;
-            std::thread::sleep(arrival.saturating_sub(started.elapsed()));
-            continue;
+        joining
+    }
+
+    /// One step: a token for every running request, the rows of every joining one's prompt.
+    fn step(&mut self, joining: Vec<Joining>) {
+        let (mut step_tokens, mut sequences) = (Vec::new(), self.decoding());
+        for run in &self.running {
+            step_tokens.push(*self.tokens[run.request].last().expect("a first token"));
         }
-        let (mut step_tokens, mut sequences) = (Vec::new(), Vec::new());
-        for run in &running {
-            step_tokens.push(*tokens[run.request].last().expect("a first token"));
-            sequences.push(run.id);
+        for join in &joining {
+            step_tokens.extend(&join.rows);
+            sequences.extend(std::iter::repeat_n(join.run.id, join.rows.len()));
         }
-        for (run, cached) in &joining {
-            let prompt = full_prompt(&requests[run.request]);
-            step_tokens.extend(&prompt[*cached..]);
-            sequences.extend(std::iter::repeat_n(run.id, prompt.len() - cached));
-        }
-        let next = model.step_paged(&step_tokens, &sequences, &mut cache, device);
-        peak_cache = peak_cache.peak(CacheBytes {
-            stored: cache.bytes_in_use(),
-            allocated: cache.reserved_bytes(),
+        let next = self
+            .model
+            .step_paged(&step_tokens, &sequences, &mut self.cache, self.device);
+        self.peak_cache = self.peak_cache.peak(CacheBytes {
+            stored: self.cache.bytes_in_use(),
+            allocated: self.cache.reserved_bytes(),
         });
-        for (run, _) in &joining {
-            first_token[run.request] = started.elapsed() - requests[run.request].arrival;
+        for join in joining {
+            if self.tokens[join.run.request].is_empty() {
+                let arrival = self.requests[join.run.request].arrival;
+                self.first_token[join.run.request] = self.started.elapsed() - arrival;
+            }
+            self.running.push(join.run);
         }
-        running.extend(joining.into_iter().map(|(run, _)| run));
-        for (run, choice) in running.iter().zip(next) {
-            tokens[run.request].push(choice.token);
-            margins[run.request].push(choice.margin);
+        for (run, choice) in self.running.iter().zip(next) {
+            self.tokens[run.request].push(choice.token);
+            self.margins[run.request].push(choice.margin);
+            // The token the next step feeds: once its block is whole, a request preempted
+            // later finds it by its tokens.
+            self.cache
+                .extend_tokens(run.id, &[choice.token as Token])
+                .expect("a running sequence");
         }
-        running.retain(|run| {
+        let (cache, tokens, requests) = (&mut self.cache, &self.tokens, self.requests);
+        self.running.retain(|run| {
             let done = tokens[run.request].len() == requests[run.request].output_len;
             if done {
                 cache.remove_sequence(run.id).expect("a running sequence");
@@ -380,13 +445,11 @@ fn serve_batched(
             !done
         });
     }
-    Served {
-        tokens,
-        margins,
-        wall: started.elapsed(),
-        first_token,
-        peak_cache,
-    }
+}
+
+/// A request's whole prompt: the system prompt, then its own.
+fn full_prompt(request: &Request) -> Vec<i64> {
+    [system_prompt().as_slice(), &request.prompt].concat()
 }
 
 /// One request at a time, in arrival order, each with its own `KvCache` per layer, its system
@@ -450,19 +513,50 @@ fn report(way: &str, served: &Served) {
     );
 }
 
+/// What the command line asks for beside the device.
+struct Settings {
+    window: Option<usize>,
+    pool_blocks: usize,
+}
+
+/// Reads `--window N` and `--pool-blocks N`; a bad value exits with the usage.
+fn settings(options: &ProgramOptions, requests: &[Request]) -> Settings {
+    let number = |flag: &str, least: usize, what: &str| {
+        options
+            .value(flag)
+            .map(|value| match value.parse::<usize>() {
+                Ok(number) if number >= least => number,
+                _ => options.fail(&format!("`{flag}` takes {what}, not `{value}`")),
+            })
+    };
+    // The pool must hold the longest request whole, its prompt and every token it wants: a
+    // request alone is never preempted.
+    let longest = requests
+        .iter()
+        .map(|request| (full_prompt(request).len() + request.output_len).div_ceil(BLOCK_SIZE))
+        .max()
+        .expect("requests");
+    Settings {
+        window: number("--window", 1, "a number of positions (at least 1)"),
+        pool_blocks: number(
+            "--pool-blocks",
+            longest,
+            &format!("a number of blocks that holds the longest request (at least {longest})"),
+        )
+        .unwrap_or(POOL_BLOCKS),
+    }
+}
+
 fn main() {
-    let (name, device, options) = device_and_options("serve", &[("--window", "N")]);
-    let window = options
-        .value("--window")
-        .map(|value| match value.parse::<usize>() {
-            Ok(window) if window > 0 => window,
-            _ => options.fail(&format!(
-                "`--window` takes a number of positions (at least 1), not `{value}`"
-            )),
-        });
+    let (name, device, options) =
+        device_and_options("serve", &[("--window", "N"), ("--pool-blocks", "N")]);
+    let requests = requests();
+    let Settings {
+        window,
+        pool_blocks,
+    } = settings(&options, &requests);
     device.seed(7);
     let model = Model::new(window, &device);
-    let requests = requests();
     let wanted: usize = requests.iter().map(|r| r.output_len).sum();
     let attends = window.map_or("every position before it".to_string(), |window| {
         format!("a sliding window of {window} positions")
@@ -475,7 +569,8 @@ fn main() {
     );
     // A short warm-up, so that neither way pays for first-use costs (allocator, threads).
     serve_one_at_a_time(&model, &requests[..1], &device);
-    let batched = serve_batched(&model, &requests, window, &device);
+    let (batched, preemptions) =
+        ContinuousBatching::new(&model, &requests, pool_blocks, &device).serve();
     let alone = serve_one_at_a_time(&model, &requests, &device);
     println!(
         "| way | tokens/s | wall s | time to first token, ms (mean / median / max) | peak cache memory: stored / allocated |"
@@ -483,11 +578,20 @@ fn main() {
     println!("|---|---|---|---|---|");
     report(
         &format!(
-            "continuous batching (paged, {MAX_BLOCKS} blocks of {BLOCK_SIZE} per layer, prompt prefixes shared)"
+            "continuous batching (paged, {pool_blocks} blocks of {BLOCK_SIZE} per layer, prompt prefixes shared)"
         ),
         &batched,
     );
     report("one at a time (KvCache per layer)", &alone);
+    println!(
+        "\ncontinuous batching preempted {} requests ({} positions computed again)",
+        preemptions.count, preemptions.recomputed
+    );
+    check_same_tokens(&batched, &alone);
+}
+
+/// Exits with status 1 if a request got different tokens from the two ways, but at a near tie.
+fn check_same_tokens(batched: &Served, alone: &Served) {
     // The two ways compute the same logits to within float rounding (about 1e-5 here), so a
     // greedy choice may differ only where its two largest logits are about that close; anywhere
     // else a difference is a bug.
@@ -512,7 +616,7 @@ fn main() {
         }
     }
     let same = REQUESTS - ties.len() - parted.len();
-    println!("\n{same} of {REQUESTS} requests got the same tokens both ways");
+    println!("{same} of {REQUESTS} requests got the same tokens both ways");
     if !ties.is_empty() {
         println!(
             "parted at a near tie (two largest logits within {NEAR_TIE:.0e}): {}",

@@ -1,7 +1,8 @@
 //! The `serve` example end to end on flex: continuous batching and one request at a time give
 //! every request the same tokens, but at a near tie of its two largest logits (the example exits
-//! 1 otherwise), with and without a sliding window, and each way reports its peak cache memory,
-//! stored within allocated (less under the window); a bad `--window` is refused.
+//! 1 otherwise), with and without a sliding window and with a pool too small for the stream, whose
+//! requests are preempted and recomputed; each way reports its peak cache memory, stored within
+//! allocated (less under the window, within the pool's bound); bad options are refused.
 
 mod common;
 
@@ -19,10 +20,19 @@ fn peak_memory(row: &str) -> (f64, f64) {
     (mib[0], mib[1])
 }
 
+/// What a run of the example reported.
+struct Report {
+    /// Each way's peak cache memory, stored and allocated, in MiB: continuous batching, one at
+    /// a time.
+    peak_mib: [(f64, f64); 2],
+    /// Requests continuous batching preempted, and the positions they computed again.
+    preempted: (usize, usize),
+}
+
 /// The example's output with `args`, checked: every request the same tokens both ways, or
 /// parted at a near tie (the example fails otherwise), and each way's peak cache memory stored
-/// within allocated. Returns each way's peak stored MiB: continuous batching, one at a time.
-fn served(args: &[&str]) -> [f64; 2] {
+/// within allocated.
+fn served(args: &[&str]) -> Report {
     let run = Command::new(example_binary("serve"))
         .args(args)
         .output()
@@ -43,45 +53,95 @@ fn served(args: &[&str]) -> [f64; 2] {
         same == 32 || stdout.contains("parted at a near tie"),
         "{stdout}"
     );
-    ["| continuous batching", "| one at a time"].map(|way| {
+    let peak_mib = ["| continuous batching", "| one at a time"].map(|way| {
         let row = stdout
             .lines()
             .find(|line| line.starts_with(way))
             .unwrap_or_else(|| panic!("no row {way}: {stdout}"));
         let (stored, allocated) = peak_memory(row);
         assert!(0.0 < stored && stored <= allocated, "{row}");
-        stored
-    })
+        (stored, allocated)
+    });
+    let preempted = stdout
+        .lines()
+        .find_map(|line| line.strip_prefix("continuous batching preempted "))
+        .unwrap_or_else(|| panic!("no count of preemptions: {stdout}"));
+    let numbers: Vec<usize> = preempted
+        .split(|c: char| !c.is_ascii_digit())
+        .filter(|part| !part.is_empty())
+        .map(|part| part.parse().unwrap())
+        .collect();
+    Report {
+        peak_mib,
+        preempted: (numbers[0], numbers[1]),
+    }
 }
 
 #[test]
 fn continuous_batching_serves_every_request_the_tokens_of_serving_it_alone() {
     let every_position = served(&["--device", "flex"]);
+    // The default pool of 512 blocks holds the stream's peak: nothing is preempted.
+    assert_eq!(every_position.preempted, (0, 0));
     // Under a window of 32 positions each way stores less at its peak: the paged cache gives
     // back the blocks behind each sequence's window, a `KvCache` keeps the window only.
     let windowed = served(&["--device", "flex", "--window", "32"]);
     for (way, (window, all)) in ["continuous batching", "one at a time"]
         .iter()
-        .zip(windowed.iter().zip(every_position))
+        .zip(windowed.peak_mib.iter().zip(every_position.peak_mib))
     {
         assert!(
-            *window < all,
-            "{way}: {window} MiB stored under a window, {all} without"
+            window.0 < all.0,
+            "{way}: {} MiB stored under a window, {} without",
+            window.0,
+            all.0
         );
     }
 }
 
 #[test]
-fn a_bad_window_is_refused_with_the_usage() {
-    let run = Command::new(example_binary("serve"))
-        .args(["--window", "0"])
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&run.stderr);
-    assert_eq!(run.status.code(), Some(2), "{stderr}");
+fn a_pool_too_small_for_the_stream_preempts_and_recomputes_to_the_same_tokens() {
+    // The stream stores about 280 blocks per layer at its peak; 48 hold a few requests at once.
+    let small = served(&["--device", "flex", "--pool-blocks", "48"]);
+    let (count, recomputed) = small.preempted;
     assert!(
-        stderr.contains("`--window` takes a number of positions (at least 1), not `0`")
-            && stderr.contains("usage: serve [--device flex|ndarray|wgpu] [--window N]"),
-        "{stderr}"
+        count > 0 && recomputed > 0,
+        "{count} preemptions, {recomputed} positions"
     );
+    // The pool's bound: 48 blocks of 16 positions of two key/value heads of 32 f32 values,
+    // keys and values, in each of the two layers.
+    let bound_mib = (48 * 16 * 2 * 32 * 4 * 2 * 2) as f64 / (1 << 20) as f64;
+    let (stored, allocated) = small.peak_mib[0];
+    assert!(
+        stored <= allocated && allocated <= bound_mib,
+        "{stored} / {allocated} MiB"
+    );
+}
+
+#[test]
+fn bad_options_are_refused_with_the_usage() {
+    for (args, error) in [
+        (
+            ["--window", "0"],
+            "`--window` takes a number of positions (at least 1), not `0`",
+        ),
+        (
+            ["--pool-blocks", "24"],
+            "`--pool-blocks` takes a number of blocks that holds the longest request (at least \
+             25), not `24`",
+        ),
+    ] {
+        let run = Command::new(example_binary("serve"))
+            .args(args)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&run.stderr);
+        assert_eq!(run.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(
+            stderr.contains(error)
+                && stderr.contains(
+                    "usage: serve [--device flex|ndarray|wgpu] [--window N] [--pool-blocks N]"
+                ),
+            "{stderr}"
+        );
+    }
 }
