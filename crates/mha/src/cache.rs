@@ -97,6 +97,7 @@ impl CacheLimit {
 /// Why a cached forward, or a cut ([`KvCache::truncate`]), was refused. The cache is left
 /// unchanged.
 #[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
 pub enum CacheError {
     /// The new tokens would take a [`CacheLimit::Fixed`] cache past its capacity.
     CapacityExceeded {

@@ -62,6 +62,7 @@ impl PytorchImport {
 
 /// Why a PyTorch state dict could not be loaded or saved. Every variant names the file.
 #[derive(Debug)]
+#[non_exhaustive]
 pub enum PytorchError {
     /// The file could not be read or parsed.
     Unreadable {

@@ -10,6 +10,7 @@ use crate::cache::CacheOwner;
 /// refuses ([`BeyondHalfRange`](Self::BeyondHalfRange)) may leave fewer blocks filed for later
 /// prompts to share.
 #[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
 pub enum PagedCacheError {
     /// The pool has too few free blocks for the step: no sequence's state was touched.
     PoolFull {
