@@ -8,12 +8,15 @@
 //! parts of the positions in f16 and int8) and can beat it.
 //!
 //! Then many sequences at once (`decoding/concurrent.rs`): continuous batching over a
-//! `PagedKvCache` against a padded `KvCache` batch and against one sequence at a time.
+//! `PagedKvCache` against a padded `KvCache` batch and against one sequence at a time. Then an
+//! encoder-decoder's decoder serving many sequences, each over its own memory
+//! (`decoding/encoder_decoder.rs`): one paged step against one sequence at a time.
 //!
 //! `cargo bench --workspace --features burn-mha/wgpu,train-demo/ndarray,train-demo/wgpu
 //! --bench decoding` (options: `--positions 512,4096,16384`, `--steps 64`, `--concurrent
 //! 1,8,32`, `--rounds 16`, `--block-size 16`, `--ways paged,padded,single`, `--storage
-//! float,half,int8`, `--layers 1`, `--kv-heads 2`, `--window W` (none by default), `--sinks S`
+//! float,half,int8`, `--decoder 8,32` (the encoder-decoder table's numbers of sequences),
+//! `--layers 1`, `--kv-heads 2`, `--window W` (none by default), `--sinks S`
 //! (0; with `--window`, a streaming window), `--alibi` (off), `--softcap C` (none); an empty
 //! list skips its table).
 
@@ -24,6 +27,8 @@ use mha::{CacheLimit, KvCache, MhaInput, MultiHeadAttention, MultiHeadAttentionC
 
 #[path = "decoding/concurrent.rs"]
 mod concurrent;
+#[path = "decoding/encoder_decoder.rs"]
+mod encoder_decoder;
 
 const D_MODEL: usize = 512;
 const HEADS: usize = 8;
@@ -98,6 +103,8 @@ struct Options {
     steps: usize,
     concurrency: Vec<usize>,
     rounds: usize,
+    /// Numbers of sequences of the encoder-decoder table.
+    decoder_concurrency: Vec<usize>,
     block_size: usize,
     ways: Vec<concurrent::Way>,
     storages: Vec<mha::CacheStorage>,
@@ -123,6 +130,7 @@ impl Options {
             steps: 64,
             concurrency: vec![1, 8, 32],
             rounds: 16,
+            decoder_concurrency: vec![8, 32],
             block_size: 16,
             ways: concurrent::Way::ALL.to_vec(),
             storages: vec![
@@ -151,6 +159,7 @@ impl Options {
                 "--steps" => options.steps = value().parse().expect("--steps: a number"),
                 "--concurrent" => options.concurrency = list(value(), "--concurrent"),
                 "--rounds" => options.rounds = value().parse().expect("--rounds: a number"),
+                "--decoder" => options.decoder_concurrency = list(value(), "--decoder"),
                 "--layers" => {
                     options.layers = value().parse().expect("--layers: a number");
                     assert!(options.layers > 0, "--layers: at least 1");
@@ -256,6 +265,14 @@ fn main() {
         let mut layers = vec![module];
         layers.extend((1..options.layers).map(|_| config.init(&device)));
         concurrent::table(&layers, &sizes, &runs, all_threads, &device);
+    }
+    if !options.decoder_concurrency.is_empty() {
+        encoder_decoder::table(
+            [D_MODEL, HEADS, kv_heads],
+            &options.decoder_concurrency,
+            options.rounds,
+            &device,
+        );
     }
 }
 

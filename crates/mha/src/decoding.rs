@@ -2,7 +2,7 @@
 //! feeds only the new tokens, and cross-attention over a memory projected once
 //! ([`CrossAttentionCache`]). They share every stage with `forward`.
 
-use burn::tensor::{Bool, Tensor};
+use burn::tensor::{Bool, Device, Tensor};
 
 use crate::cache::{
     CacheError, CacheLimit, CacheStep, CacheStorage, CrossAttentionCache, KvCache,
@@ -263,13 +263,7 @@ impl MultiHeadAttention {
         cache: &CrossAttentionCache,
         need_weights: NeedWeights,
     ) -> MhaOutput {
-        assert!(
-            cache.owner == self.cache_owner(),
-            "MultiHeadAttention: this cross-attention cache was projected by another module ({}), \
-             not this one ({})",
-            cache.owner,
-            self.cache_owner()
-        );
+        self.check_cross_cache(cache);
         let [batch, seq_q, _] = query.dims();
         check_shape(
             "query",
@@ -285,21 +279,93 @@ impl MultiHeadAttention {
             "MultiHeadAttention: `query` must have a non-empty sequence, got {:?}",
             query.dims()
         );
+        let plan = self.cross_plan(cache, batch, seq_q, need_weights, &query.device());
+        let query = self.project_query(query, 0);
+        self.attend(query, cache.key.clone(), cache.value.clone(), &plan)
+    }
+
+    /// [`forward_cross_cached`](Self::forward_cross_cached) for a ragged batch: the rows of
+    /// `query` in runs, run `i` of `runs[i].0` rows over its own memory `runs[i].1` (a batch of
+    /// one), every run's rows projected in and out together and each run's heads attended to
+    /// its memory in place.
+    ///
+    /// # Shapes
+    ///
+    /// - query: `[rows, d_model]`, `rows` the sum of the runs' rows
+    /// - output: `[rows, d_model]`
+    ///
+    /// # Panics
+    ///
+    /// If `query` is not `[rows, d_model]` with the runs' rows, a run is empty, or a memory
+    /// was projected by another module or holds a batch of more than one.
+    pub(crate) fn forward_cross_runs(
+        &self,
+        query: Tensor<2>,
+        runs: &[(usize, &CrossAttentionCache)],
+    ) -> Tensor<2> {
+        let rows: usize = runs.iter().map(|&(len, _)| len).sum();
+        check_shape(
+            "query",
+            query.dims(),
+            [("rows", Some(rows)), ("d_model", Some(self.d_model))],
+        );
+        let device = query.device();
+        let heads = self.project_query(query.reshape([1, rows, self.d_model]), 0);
+        let mut start = 0;
+        let contexts = runs
+            .iter()
+            .map(|&(len, memory)| {
+                self.check_cross_cache(memory);
+                assert!(
+                    len > 0 && memory.batch() == 1,
+                    "MultiHeadAttention: a run of {len} rows over a memory of batch {}: each run \
+                     needs rows, and a memory of its own",
+                    memory.batch()
+                );
+                let plan = self.cross_plan(memory, 1, len, NeedWeights::No, &device);
+                let run = heads.clone().narrow(2, start, len);
+                start += len;
+                let (key, value) = (memory.key.clone(), memory.value.clone());
+                self.attention_heads(run, key, value, &plan).0
+            })
+            .collect();
+        self.output_projection(Tensor::cat(contexts, 2))
+            .reshape([rows, self.d_model])
+    }
+
+    /// Panics unless this module projected `cache`.
+    fn check_cross_cache(&self, cache: &CrossAttentionCache) {
+        assert!(
+            cache.owner == self.cache_owner(),
+            "MultiHeadAttention: this cross-attention cache was projected by another module ({}), \
+             not this one ({})",
+            cache.owner,
+            self.cache_owner()
+        );
+    }
+
+    /// The plan of `seq_q` queries per batch element over the memory of `cache`.
+    fn cross_plan(
+        &self,
+        cache: &CrossAttentionCache,
+        batch: usize,
+        seq_q: usize,
+        need_weights: NeedWeights,
+        device: &Device,
+    ) -> Plan {
         let visibility = Visibility {
             key_padding: cache.key_padding_mask.clone(),
             extra_keys: self.extra_keys(),
             ..Visibility::nothing_hidden()
         };
         let geometry = self.geometry(batch, seq_q, cache.seq_k);
-        let plan = self.plan(
+        self.plan(
             visibility,
             geometry,
             AttentionPath::Auto,
             need_weights,
-            &query.device(),
-        );
-        let query = self.project_query(query, 0);
-        self.attend(query, cache.key.clone(), cache.value.clone(), &plan)
+            device,
+        )
     }
 }
 

@@ -298,7 +298,8 @@ impl TransformerDecoderLayer {
         })
     }
 
-    fn sublayer(
+    /// One sub-layer of this layer's norm placement and dropout ([`residual`]).
+    pub(super) fn sublayer(
         &self,
         x: Tensor<3>,
         norm: &LayerNorm,

@@ -7,13 +7,15 @@
 //! `norm_first`, `quiet_softmax`, `initializer`, `activation`, `layer_norm_eps`), so that a
 //! model written for burn-nn changes one import; they add this crate's attention options
 //! (`n_kv_heads`, `rope`, `alibi`, `window`, `causal`). A burn-nn model converts with its
-//! weights ([`crate::burn_nn`]). Both stacks decode with KV caches through every layer; the
-//! causal encoder (a decoder-only model) also serves many sequences at once through a
-//! [`PagedTransformerCache`].
+//! weights ([`crate::burn_nn`]). Both stacks decode with KV caches through every layer, and
+//! both serve many sequences at once: the causal encoder (a decoder-only model) through a
+//! [`PagedTransformerCache`], the decoder, each sequence over its own memory, through a
+//! [`PagedTransformerDecoderCache`].
 
 mod decoder;
 mod encoder;
 mod paged;
+mod paged_decoder;
 
 pub use decoder::{
     TransformerDecoder, TransformerDecoderCache, TransformerDecoderConfig, TransformerDecoderInput,
@@ -24,6 +26,7 @@ pub use encoder::{
     TransformerEncoderLayer,
 };
 pub use paged::PagedTransformerCache;
+pub use paged_decoder::PagedTransformerDecoderCache;
 
 use burn::nn::activation::Activation;
 use burn::nn::transformer::PositionWiseFeedForward;

@@ -1,11 +1,66 @@
 //! Continuous batching through a causal [`TransformerEncoder`] (a decoder-only model): one
 //! [`PagedKvCache`] per layer, the same sequences in each.
 
+use burn::nn::{Dropout, LayerNorm};
 use burn::tensor::Tensor;
 
 use super::encoder::{TransformerEncoder, TransformerEncoderLayer};
 use super::residual;
-use crate::{PagedCacheError, PagedKvCache, PagedKvCacheConfig, PromptMatch, SequenceId, Token};
+use crate::{
+    MultiHeadAttention, PagedCacheError, PagedKvCache, PagedKvCacheConfig, PromptMatch, SequenceId,
+    Token,
+};
+
+/// A self-attention sub-layer of a stack's layer: its attention, and the norm, dropout and norm
+/// placement around it.
+pub(super) struct SubLayer<'a> {
+    pub attention: &'a MultiHeadAttention,
+    pub norm: &'a LayerNorm,
+    pub dropout: &'a Dropout,
+    pub norm_first: bool,
+}
+
+/// `sublayer`'s residual connection ([`residual`]) around
+/// [`MultiHeadAttention::forward_paged`] through `cache`.
+///
+/// # Shapes
+///
+/// - x: `[1, rows, d_model]`
+/// - output: `[1, rows, d_model]`
+///
+/// # Errors
+///
+/// As [`MultiHeadAttention::forward_paged`].
+pub(super) fn paged_self_attention(
+    sublayer: SubLayer,
+    x: Tensor<3>,
+    cache: &mut PagedKvCache,
+    sequences: &[SequenceId],
+) -> Result<Tensor<3>, PagedCacheError> {
+    let [_, rows, d_model] = x.dims();
+    let mut result = Ok(());
+    let x = residual(
+        x,
+        sublayer.norm,
+        sublayer.dropout,
+        sublayer.norm_first,
+        |x| {
+            let attended = sublayer.attention.forward_paged(
+                x.clone().reshape([rows, d_model]),
+                cache,
+                sequences,
+            );
+            match attended {
+                Ok(output) => output.reshape([1, rows, d_model]),
+                Err(error) => {
+                    result = Err(error);
+                    x.zeros_like()
+                }
+            }
+        },
+    );
+    result.map(|()| x)
+}
 
 /// One [`PagedKvCache`] per layer of a causal [`TransformerEncoder`], holding the same
 /// sequences, for [`TransformerEncoder::forward_paged`]. Layers whose attentions have the same
@@ -207,6 +262,64 @@ impl PagedTransformerCache {
         self.layers.iter().map(PagedKvCache::reserved_bytes).sum()
     }
 
+    /// A cache of `layers` pools of `config`, each keeping its last step to take it back, for
+    /// `stack`'s `new_paged_cache`.
+    ///
+    /// # Panics
+    ///
+    /// If `layers` is 0, naming `stack`; as [`PagedKvCacheConfig::init`].
+    pub(crate) fn new(stack: &str, layers: usize, config: PagedKvCacheConfig) -> Self {
+        assert!(
+            layers > 0,
+            "{stack}::new_paged_cache: the stack has no layers (n_layers = 0), so there is \
+             nothing to cache"
+        );
+        let layer = |_| {
+            let mut cache = config.init();
+            cache.keep_undo();
+            cache
+        };
+        Self {
+            layers: (0..layers).map(layer).collect(),
+        }
+    }
+
+    /// One step through a stack's layers: `layer(index, x, cache)` runs layer `index` on `x`
+    /// through its pool. A layer's refusal leaves every layer as it was: the layers before it
+    /// take the step back.
+    pub(crate) fn forward_layers(
+        &mut self,
+        input: Tensor<2>,
+        mut layer: impl FnMut(usize, Tensor<2>, &mut PagedKvCache) -> Result<Tensor<2>, PagedCacheError>,
+    ) -> Result<Tensor<2>, PagedCacheError> {
+        let mut x = input;
+        for index in 0..self.layers.len() {
+            match layer(index, x, &mut self.layers[index]) {
+                Ok(output) => x = output,
+                Err(error) => {
+                    // A later layer's refusal (f16's range, or a fuller pool under another
+                    // window): the layers before it stored the step, and take it back, so that
+                    // the layers stay in step. Each forgets the filings of the blocks it
+                    // overwrote; the later layers forget those of every such block, so that
+                    // alike layers stay alike (under different windows the numbers may name
+                    // other blocks of a later layer's pool, whose filings are then lost: fewer
+                    // prompts share them, nothing wrong is shared).
+                    let mut overwritten = Vec::new();
+                    for stored in &mut self.layers[..index] {
+                        overwritten.extend(stored.undo_last_step());
+                    }
+                    overwritten.sort_unstable();
+                    overwritten.dedup();
+                    for later in &mut self.layers[index..] {
+                        later.forget_overwritten(&overwritten);
+                    }
+                    return Err(error);
+                }
+            }
+        }
+        Ok(x)
+    }
+
     /// The layers' caches, first to last.
     pub fn layers(&self) -> &[PagedKvCache] {
         &self.layers
@@ -254,28 +367,18 @@ impl TransformerEncoderLayer {
         sequences: &[SequenceId],
     ) -> Result<Tensor<2>, PagedCacheError> {
         let [rows, d_model] = x.dims();
-        let mut result = Ok(());
-        let x = residual(
-            x.reshape([1, rows, d_model]),
-            &self.attention_norm,
-            &self.dropout,
-            self.norm_first,
-            |x| {
-                let attended = self.attention.forward_paged(
-                    x.clone().reshape([rows, d_model]),
-                    cache,
-                    sequences,
-                );
-                match attended {
-                    Ok(output) => output.reshape([1, rows, d_model]),
-                    Err(error) => {
-                        result = Err(error);
-                        x.zeros_like()
-                    }
-                }
+        let x = paged_self_attention(
+            SubLayer {
+                attention: &self.attention,
+                norm: &self.attention_norm,
+                dropout: &self.dropout,
+                norm_first: self.norm_first,
             },
-        );
-        result.map(|()| self.feed_forward_sublayer(x).reshape([rows, d_model]))
+            x.reshape([1, rows, d_model]),
+            cache,
+            sequences,
+        )?;
+        Ok(self.feed_forward_sublayer(x).reshape([rows, d_model]))
     }
 }
 
@@ -291,19 +394,7 @@ impl TransformerEncoder {
     ///
     /// If the stack has no layers, or as [`PagedKvCacheConfig::init`].
     pub fn new_paged_cache(&self, config: PagedKvCacheConfig) -> PagedTransformerCache {
-        assert!(
-            !self.layers.is_empty(),
-            "TransformerEncoder::new_paged_cache: the stack has no layers (n_layers = 0), so \
-             there is nothing to cache"
-        );
-        let layer = |_| {
-            let mut cache = config.init();
-            cache.keep_undo();
-            cache
-        };
-        PagedTransformerCache {
-            layers: self.layers.iter().map(layer).collect(),
-        }
+        PagedTransformerCache::new("TransformerEncoder", self.layers.len(), config)
     }
 
     /// One step of continuous batching through the causal stack: row `i` of `input` is a new
@@ -352,31 +443,8 @@ impl TransformerEncoder {
             cache.layers.len(),
             self.layers.len()
         );
-        let mut x = input;
-        for (index, layer) in self.layers.iter().enumerate() {
-            match layer.forward_paged(x, &mut cache.layers[index], sequences) {
-                Ok(output) => x = output,
-                Err(error) => {
-                    // A later layer's refusal (f16's range, or a fuller pool under another
-                    // window): the layers before it stored the step, and take it back, so that
-                    // the layers stay in step. Each forgets the filings of the blocks it
-                    // overwrote; the later layers forget those of every such block, so that
-                    // alike layers stay alike (under different windows the numbers may name
-                    // other blocks of a later layer's pool, whose filings are then lost: fewer
-                    // prompts share them, nothing wrong is shared).
-                    let mut overwritten = Vec::new();
-                    for stored in &mut cache.layers[..index] {
-                        overwritten.extend(stored.undo_last_step());
-                    }
-                    overwritten.sort_unstable();
-                    overwritten.dedup();
-                    for layer in &mut cache.layers[index..] {
-                        layer.forget_overwritten(&overwritten);
-                    }
-                    return Err(error);
-                }
-            }
-        }
-        Ok(x)
+        cache.forward_layers(input, |index, x, layer_cache| {
+            self.layers[index].forward_paged(x, layer_cache, sequences)
+        })
     }
 }
