@@ -139,7 +139,7 @@ impl Model {
         let hidden = self
             .stack
             .forward_paged(x, cache, sequences)
-            .expect("admission keeps the pool from filling");
+            .expect("admission and preemption keep every step within the pool");
         let last_rows: Vec<i64> = (0..sequences.len())
             .filter(|&row| row + 1 == sequences.len() || sequences[row + 1] != sequences[row])
             .map(|row| row as i64)
@@ -252,8 +252,9 @@ struct Joining {
     rows: Vec<i64>,
 }
 
-/// How often continuous batching took a request out of the batch to make room for the others'
-/// next tokens, and the positions those requests had to compute again when they came back.
+/// How many times continuous batching took a request out of the batch to make room for the
+/// others' next tokens (a request may be taken out more than once), and the positions those
+/// requests had to compute again when they came back.
 #[derive(Debug, Clone, Copy, Default)]
 struct Preemptions {
     count: usize,
@@ -584,7 +585,7 @@ fn main() {
     );
     report("one at a time (KvCache per layer)", &alone);
     println!(
-        "\ncontinuous batching preempted {} requests ({} positions computed again)",
+        "\ncontinuous batching preempted requests {} times ({} positions computed again)",
         preemptions.count, preemptions.recomputed
     );
     check_same_tokens(&batched, &alone);

@@ -310,6 +310,9 @@ impl MultiHeadAttention {
             [("rows", Some(rows)), ("d_model", Some(self.d_model))],
         );
         let device = query.device();
+        // One projection for every run: a cross-attention has no positions to rotate (a
+        // module with RoPE or ALiBi projects no memory), so a run's place among the rows
+        // changes nothing.
         let heads = self.project_query(query.reshape([1, rows, self.d_model]), 0);
         let mut start = 0;
         let contexts = runs

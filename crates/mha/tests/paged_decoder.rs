@@ -154,7 +154,12 @@ fn a_decoder_serves_each_sequence_over_its_own_memory_as_decoding_it_alone() {
                     [a, c, d],
                     "{name}"
                 );
-                assert!(harness.paged.self_attention().blocks_in_use() > 0);
+                // Every block goes back with the last sequence, shared ones included.
+                for id in [a, c, d] {
+                    harness.remove(id);
+                }
+                assert!(harness.paged.is_empty(), "{name}");
+                assert_eq!(harness.paged.self_attention().blocks_in_use(), 0, "{name}");
             }
         }
     }
@@ -239,6 +244,18 @@ fn bad_arguments_panic_naming_them() {
         message.contains("decoding needs causal self-attention"),
         "{message}"
     );
+    // A sequence whose memory another decoder projected: refused before any layer stores the
+    // step.
+    let other = decoder(false, &device);
+    let len_before = cache.len(id);
+    let message =
+        panic_message(|| other.forward_paged(randn([1, D_MODEL], &device), &mut cache, &[id]));
+    assert!(
+        message.contains("TransformerDecoder::forward_paged")
+            && message.contains("projected by another decoder"),
+        "{message}"
+    );
+    assert_eq!(cache.len(id), len_before);
     let message = panic_message(|| {
         TransformerDecoderConfig::new(D_MODEL, 32, 4, 0)
             .init(&device)

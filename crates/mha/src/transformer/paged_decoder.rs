@@ -237,7 +237,9 @@ impl TransformerDecoder {
     ///
     /// # Panics
     ///
-    /// If the self-attention is not causal, or `cache` has another number of layers; as
+    /// If the self-attention is not causal, `cache` has another number of layers, or a
+    /// sequence's memory was projected by another decoder's
+    /// [`add_paged_sequence`](Self::add_paged_sequence); as
     /// [`MultiHeadAttention::forward_paged`](crate::MultiHeadAttention::forward_paged) on a
     /// wrong shape or `sequences`.
     pub fn forward_paged(
@@ -261,9 +263,18 @@ impl TransformerDecoder {
             }
         }
         for &(id, _) in &runs {
-            if !cache.memories.contains_key(&id) {
+            let Some(memories) = cache.memories.get(&id) else {
                 return Err(PagedCacheError::UnknownSequence(id));
-            }
+            };
+            let projected_here = memories
+                .iter()
+                .zip(&self.layers)
+                .all(|(memory, layer)| memory.owner() == layer.cross_attention.cache_owner());
+            assert!(
+                projected_here,
+                "TransformerDecoder::forward_paged: {id:?}'s memory was projected by another \
+                 decoder (`add_paged_sequence` of the decoder that steps it)"
+            );
         }
         let PagedTransformerDecoderCache {
             self_attention,
