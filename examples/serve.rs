@@ -7,17 +7,19 @@
 //! request must get the same tokens either way, unless its two largest logits were within
 //! rounding of each other (a near tie, reported): the example fails (exit status 1), naming the
 //! requests and where their tokens part, if one does not. It prints tokens per second, time to
-//! first token and peak cache memory for each way: the bytes the sequences in flight store (the
-//! pool's blocks in use, each sequence's last one whole; a `KvCache`'s positions), and the bytes
-//! the caches had allocated at that moment (the pool's blocks, free ones included; a
-//! `KvCache`'s buffers with their room to grow).
+//! first token, time between a request's tokens and peak cache memory for each way: the bytes
+//! the sequences in flight store (the pool's blocks in use, each sequence's last one whole; a
+//! `KvCache`'s positions), and the bytes the caches had allocated at that moment (the pool's
+//! blocks, free ones included; a `KvCache`'s buffers with their room to grow).
 //!
 //! Requests join without a reservation for the tokens they will generate, as vLLM schedules:
 //! when the pool lacks a block for some request's next token, the request that joined last is
 //! preempted (its blocks go back to the pool) and comes back first, its prompt and the tokens it
 //! had generated recomputed but for the whole blocks the cache still holds. `--pool-blocks N`
 //! bounds the pool (512 blocks of 16 per layer by default, which hold the stream's peak); a
-//! smaller pool preempts, and the example prints how often.
+//! smaller pool preempts, and the example prints how often. `--prefill-chunk N` feeds at most
+//! `N` prompt rows a step (vLLM's chunked prefill): a long prompt is prefilled over several
+//! steps beside the running requests' tokens, which then wait less between tokens.
 //!
 //! With `--window N` every layer attends within a sliding window of `N` positions: the paged
 //! cache gives each sequence's blocks behind its window back to the pool after every step, and
@@ -28,6 +30,7 @@
 //! cargo run --release --example serve -- --device flex   # or ndarray; wgpu with `--features wgpu`
 //! cargo run --release --example serve -- --window 64
 //! cargo run --release --example serve -- --pool-blocks 48
+//! cargo run --release --example serve -- --prefill-chunk 32
 //! ```
 
 use std::collections::VecDeque;
@@ -211,7 +214,10 @@ struct Served {
     /// Each token's [`Choice::margin`].
     margins: Vec<Vec<f32>>,
     wall: Duration,
-    first_token: Vec<Duration>,
+    /// When each token came out, from the start of serving.
+    token_times: Vec<Vec<Duration>>,
+    /// When each request arrived, likewise.
+    arrivals: Vec<Duration>,
     peak_cache: CacheBytes,
 }
 
@@ -231,6 +237,28 @@ impl CacheBytes {
 }
 
 impl Served {
+    /// Each request's time to its first token, ms.
+    fn first_token_ms(&self) -> Vec<f64> {
+        self.token_times
+            .iter()
+            .zip(&self.arrivals)
+            .map(|(times, &arrival)| (times[0] - arrival).as_secs_f64() * 1e3)
+            .collect()
+    }
+
+    /// The time between each two tokens of a request that follow each other, ms, every
+    /// request's.
+    fn between_tokens_ms(&self) -> Vec<f64> {
+        self.token_times
+            .iter()
+            .flat_map(|times| {
+                times
+                    .windows(2)
+                    .map(|pair| (pair[1] - pair[0]).as_secs_f64() * 1e3)
+            })
+            .collect()
+    }
+
     /// Each request's tokens and their margins.
     fn runs(&self) -> impl Iterator<Item = (&[i64], &[f32])> {
         self.tokens
@@ -240,16 +268,13 @@ impl Served {
     }
 }
 
-/// A request being decoded in the batch, and its sequence in the cache.
+/// A request in the batch: its sequence in the cache, and the rows of its prompt (with the
+/// tokens it generated before a preemption) that the cache does not hold yet.
 struct Running {
     request: usize,
     id: SequenceId,
-}
-
-/// A request joining the batch in this step: the rows of its prompt the cache does not hold.
-struct Joining {
-    run: Running,
-    rows: Vec<i64>,
+    /// Rows still to prefill, fed from the front; empty once it decodes.
+    pending: VecDeque<i64>,
 }
 
 /// How many times continuous batching took a request out of the batch to make room for the
@@ -261,87 +286,143 @@ struct Preemptions {
     recomputed: usize,
 }
 
-/// Continuous batching over a pool of `pool_blocks` blocks per layer, as vLLM schedules: at
-/// every step the requests that arrived join (the part of their prompts the cache does not hold
-/// is prefilled in that step) while the step leaves a block free for each request that will
-/// decode after it, the others decode one token each, and a finished request leaves. A request
-/// joins without a reservation for the tokens it will generate, so the pool may come to lack a
-/// block for some request's next token: the request that joined last is then preempted (its
-/// blocks go back to the pool) and waits at the head of the queue, to come back with its prompt
-/// and the tokens it had generated, recomputed but for the whole blocks of them the cache still
-/// holds (its own blocks stay filed by their tokens until another request takes them).
+/// What the scheduler did beside the tokens: its preemptions, and the most prompt rows a step
+/// fed (at most `--prefill-chunk`).
+#[derive(Debug, Clone, Copy, Default)]
+struct Scheduled {
+    preemptions: Preemptions,
+    most_prompt_rows: usize,
+}
+
+/// The rows of one step: for each running request that takes part, in the order they joined,
+/// its rows (a decoding request its last token, a prefilling one a chunk of its prompt).
+struct StepPlan {
+    tokens: Vec<i64>,
+    sequences: Vec<SequenceId>,
+    /// Each part's request (its index in `running`) and the prompt rows it feeds (0: it
+    /// decodes).
+    parts: Vec<(usize, usize)>,
+}
+
+/// Continuous batching over a pool of `pool_blocks` blocks per layer, as vLLM schedules. At
+/// every step the requests that arrived join while the pool, beyond all the rows they and the
+/// others have still to prefill, keeps a block free for each request that will decode; the
+/// decoding requests feed one token each and the prefilling ones their prompts, at most
+/// `prefill_chunk` prompt rows in a step in all (the first to join first, so that a long prompt
+/// is prefilled over several steps beside the others' tokens instead of holding up a step);
+/// a finished request leaves. A request joins without a reservation for the tokens it will
+/// generate, so the pool may come to lack a block for a step: the request that joined last is
+/// then preempted (its blocks go back to the pool) and waits at the head of the queue, to come
+/// back with its prompt and the tokens it had generated, recomputed but for the whole blocks of
+/// them the cache still holds (its own blocks stay filed by their tokens until another request
+/// takes them).
 struct ContinuousBatching<'a> {
     model: &'a Model,
     requests: &'a [Request],
     device: &'a Device,
     cache: PagedTransformerCache,
+    prefill_chunk: usize,
     waiting: VecDeque<usize>,
     /// In the order they joined: the last is preempted first.
     running: Vec<Running>,
     tokens: Vec<Vec<i64>>,
     margins: Vec<Vec<f32>>,
-    first_token: Vec<Duration>,
+    token_times: Vec<Vec<Duration>>,
     started: Instant,
     peak_cache: CacheBytes,
-    preemptions: Preemptions,
+    scheduled: Scheduled,
 }
 
 impl<'a> ContinuousBatching<'a> {
     fn new(
         model: &'a Model,
         requests: &'a [Request],
-        pool_blocks: usize,
+        settings: &Settings,
         device: &'a Device,
     ) -> Self {
-        let config = PagedKvCacheConfig::new(pool_blocks).with_block_size(BLOCK_SIZE);
+        let config = PagedKvCacheConfig::new(settings.pool_blocks).with_block_size(BLOCK_SIZE);
         Self {
             model,
             requests,
             device,
             cache: model.stack.new_paged_cache(config),
+            prefill_chunk: settings.prefill_chunk.unwrap_or(usize::MAX),
             waiting: (0..requests.len()).collect(),
             running: Vec::new(),
             tokens: vec![Vec::new(); requests.len()],
             margins: vec![Vec::new(); requests.len()],
-            first_token: vec![Duration::ZERO; requests.len()],
+            token_times: vec![Vec::new(); requests.len()],
             started: Instant::now(),
             peak_cache: CacheBytes::default(),
-            preemptions: Preemptions::default(),
+            scheduled: Scheduled::default(),
         }
     }
 
-    fn serve(mut self) -> (Served, Preemptions) {
+    fn serve(mut self) -> (Served, Scheduled) {
         while !self.waiting.is_empty() || !self.running.is_empty() {
-            self.preempt_until_decoding_fits();
-            let joining = self.admit();
-            if self.running.is_empty() && joining.is_empty() {
+            self.preempt_until_the_step_fits();
+            self.admit();
+            if self.running.is_empty() {
                 let next = *self.waiting.front().expect("work left");
                 let arrival = self.requests[next].arrival;
                 std::thread::sleep(arrival.saturating_sub(self.started.elapsed()));
                 continue;
             }
-            self.step(joining);
+            let plan = self.plan();
+            self.step(plan);
         }
         let served = Served {
             tokens: self.tokens,
             margins: self.margins,
             wall: self.started.elapsed(),
-            first_token: self.first_token,
+            token_times: self.token_times,
+            arrivals: self
+                .requests
+                .iter()
+                .map(|request| request.arrival)
+                .collect(),
             peak_cache: self.peak_cache,
         };
-        (served, self.preemptions)
+        (served, self.scheduled)
     }
 
-    /// The running requests' sequences, one row each: the step that decodes them.
-    fn decoding(&self) -> Vec<SequenceId> {
-        self.running.iter().map(|run| run.id).collect()
+    /// The next step's rows: every decoding request's token, and the prefilling requests'
+    /// prompt rows, at most `prefill_chunk` in all, the first to join first.
+    fn plan(&self) -> StepPlan {
+        let mut plan = StepPlan {
+            tokens: Vec::new(),
+            sequences: Vec::new(),
+            parts: Vec::new(),
+        };
+        let mut budget = self.prefill_chunk;
+        for (index, run) in self.running.iter().enumerate() {
+            let rows: Vec<i64> = if run.pending.is_empty() {
+                vec![*self.tokens[run.request].last().expect("a first token")]
+            } else {
+                run.pending.iter().take(budget).copied().collect()
+            };
+            if rows.is_empty() {
+                continue;
+            }
+            let prompt_rows = if run.pending.is_empty() {
+                0
+            } else {
+                rows.len()
+            };
+            budget -= prompt_rows;
+            plan.sequences
+                .extend(std::iter::repeat_n(run.id, rows.len()));
+            plan.tokens.extend(rows);
+            plan.parts.push((index, prompt_rows));
+        }
+        plan
     }
 
-    /// Preempts the requests that joined last until the others' next tokens fit the pool.
-    fn preempt_until_decoding_fits(&mut self) {
+    /// Preempts the requests that joined last until the next step fits the pool.
+    fn preempt_until_the_step_fits(&mut self) {
         while !self
             .cache
-            .fits(&self.decoding())
+            .fits(&self.plan().sequences)
             .expect("running sequences")
         {
             // A request alone always fits: the pool holds the longest request whole.
@@ -350,16 +431,20 @@ impl<'a> ContinuousBatching<'a> {
                 .remove_sequence(run.id)
                 .expect("a running sequence");
             self.waiting.push_front(run.request);
-            self.preemptions.count += 1;
+            self.scheduled.preemptions.count += 1;
         }
     }
 
-    /// Adds the requests that arrived, in order, while the step with their prompts leaves a
-    /// free block for each request that will decode after it (vLLM's watermark, so that one
-    /// joining does not preempt another at once); a preempted request comes back first.
-    fn admit(&mut self) -> Vec<Joining> {
-        let mut step = self.decoding();
-        let mut joining: Vec<Joining> = Vec::new();
+    /// Adds the requests that arrived, in order, while the pool holds every row the running
+    /// and joining requests have still to feed and keeps a block free for each of them beside
+    /// (vLLM's watermark, so that one joining does not preempt another at once); a preempted
+    /// request comes back first.
+    fn admit(&mut self) {
+        // Every row still to feed: each decoding request's next token, every pending row.
+        let mut rows: Vec<SequenceId> = Vec::new();
+        for run in &self.running {
+            rows.extend(std::iter::repeat_n(run.id, run.pending.len().max(1)));
+        }
         while let Some(&next) = self.waiting.front() {
             if self.requests[next].arrival > self.started.elapsed() {
                 break;
@@ -371,18 +456,16 @@ impl<'a> ContinuousBatching<'a> {
             // Whole blocks of it that a request in the batch (or one that left, its blocks
             // not yet taken again) computed are shared.
             let matched = self.cache.add_sequence_with_prompt(&tokens);
-            let rows = prompt[matched.cached..].to_vec();
-            step.extend(std::iter::repeat_n(matched.id, rows.len()));
+            let pending: VecDeque<i64> = prompt[matched.cached..].iter().copied().collect();
+            rows.extend(std::iter::repeat_n(matched.id, pending.len()));
             // A request alone joins whenever it fits: the pool holds the longest request whole.
-            let alone = self.running.is_empty() && joining.is_empty();
-            let headroom = if alone {
-                0
-            } else {
-                self.running.len() + joining.len() + 1
+            let headroom = match self.running.len() {
+                0 => 0,
+                others => others + 1,
             };
             let needed = self
                 .cache
-                .blocks_needed(&step)
+                .blocks_needed(&rows)
                 .expect("sequences of the cache");
             if needed + headroom > self.cache.free_blocks() {
                 self.cache
@@ -393,44 +476,40 @@ impl<'a> ContinuousBatching<'a> {
             self.waiting.pop_front();
             if !self.tokens[next].is_empty() {
                 // Rows it had computed before, all but the last token's.
-                self.preemptions.recomputed += rows.len() - 1;
+                self.scheduled.preemptions.recomputed += pending.len() - 1;
             }
-            let run = Running {
+            self.running.push(Running {
                 request: next,
                 id: matched.id,
-            };
-            joining.push(Joining { run, rows });
+                pending,
+            });
         }
-        joining
     }
 
-    /// One step: a token for every running request, the rows of every joining one's prompt.
-    fn step(&mut self, joining: Vec<Joining>) {
-        let (mut step_tokens, mut sequences) = (Vec::new(), self.decoding());
-        for run in &self.running {
-            step_tokens.push(*self.tokens[run.request].last().expect("a first token"));
-        }
-        for join in &joining {
-            step_tokens.extend(&join.rows);
-            sequences.extend(std::iter::repeat_n(join.run.id, join.rows.len()));
-        }
-        let next = self
-            .model
-            .step_paged(&step_tokens, &sequences, &mut self.cache, self.device);
+    /// One step of `plan`: a token for each decoding request and for each whose prompt the
+    /// step finishes; a finished request leaves.
+    fn step(&mut self, plan: StepPlan) {
+        let prompt_rows: usize = plan.parts.iter().map(|&(_, rows)| rows).sum();
+        let most = &mut self.scheduled.most_prompt_rows;
+        *most = (*most).max(prompt_rows);
+        let next =
+            self.model
+                .step_paged(&plan.tokens, &plan.sequences, &mut self.cache, self.device);
+        let now = self.started.elapsed();
         self.peak_cache = self.peak_cache.peak(CacheBytes {
             stored: self.cache.bytes_in_use(),
             allocated: self.cache.reserved_bytes(),
         });
-        for join in joining {
-            if self.tokens[join.run.request].is_empty() {
-                let arrival = self.requests[join.run.request].arrival;
-                self.first_token[join.run.request] = self.started.elapsed() - arrival;
+        for ((index, prompt_rows), choice) in plan.parts.into_iter().zip(next) {
+            let run = &mut self.running[index];
+            run.pending.drain(..prompt_rows);
+            if !run.pending.is_empty() {
+                // A chunk of a prompt: its last row's output is not a token yet.
+                continue;
             }
-            self.running.push(join.run);
-        }
-        for (run, choice) in self.running.iter().zip(next) {
             self.tokens[run.request].push(choice.token);
             self.margins[run.request].push(choice.margin);
+            self.token_times[run.request].push(now);
             // The token the next step feeds: once its block is whole, a request preempted
             // later finds it by its tokens.
             self.cache
@@ -456,8 +535,7 @@ fn full_prompt(request: &Request) -> Vec<i64> {
 /// One request at a time, in arrival order, each with its own `KvCache` per layer, its system
 /// prompt prefilled with its own prompt.
 fn serve_one_at_a_time(model: &Model, requests: &[Request], device: &Device) -> Served {
-    let (mut tokens, mut margins) = (Vec::new(), Vec::new());
-    let mut first_token = Vec::new();
+    let (mut tokens, mut margins, mut token_times) = (Vec::new(), Vec::new(), Vec::new());
     let mut peak_cache = CacheBytes::default();
     let started = Instant::now();
     let system = system_prompt();
@@ -466,10 +544,11 @@ fn serve_one_at_a_time(model: &Model, requests: &[Request], device: &Device) -> 
         let mut cache = model.stack.new_cache();
         let prompt = [system.as_slice(), &request.prompt].concat();
         let mut generated = vec![model.step_cached(&prompt, &mut cache, device)];
-        first_token.push(started.elapsed() - request.arrival);
+        let mut times = vec![started.elapsed()];
         while generated.len() < request.output_len {
             let last = generated.last().expect("a first token").token;
             generated.push(model.step_cached(&[last], &mut cache, device));
+            times.push(started.elapsed());
         }
         peak_cache = peak_cache.peak(CacheBytes {
             stored: cache
@@ -482,33 +561,36 @@ fn serve_one_at_a_time(model: &Model, requests: &[Request], device: &Device) -> 
         });
         tokens.push(generated.iter().map(|choice| choice.token).collect());
         margins.push(generated.iter().map(|choice| choice.margin).collect());
+        token_times.push(times);
     }
     Served {
         tokens,
         margins,
         wall: started.elapsed(),
-        first_token,
+        token_times,
+        arrivals: requests.iter().map(|request| request.arrival).collect(),
         peak_cache,
     }
 }
 
+/// The mean, median, 99th percentile and largest of `values`.
+fn summary(mut values: Vec<f64>) -> [f64; 4] {
+    values.sort_by(f64::total_cmp);
+    let mean = values.iter().sum::<f64>() / values.len() as f64;
+    let at = |fraction: f64| values[((values.len() - 1) as f64 * fraction).round() as usize];
+    [mean, at(0.5), at(0.99), at(1.0)]
+}
+
 fn report(way: &str, served: &Served) {
     let generated: usize = served.tokens.iter().map(Vec::len).sum();
-    let mut first: Vec<f64> = served
-        .first_token
-        .iter()
-        .map(|d| d.as_secs_f64() * 1e3)
-        .collect();
-    first.sort_by(f64::total_cmp);
-    let mean = first.iter().sum::<f64>() / first.len() as f64;
+    let [first_mean, first_median, _, first_max] = summary(served.first_token_ms());
+    let [_, between_median, between_p99, between_max] = summary(served.between_tokens_ms());
     let mib = |bytes: usize| bytes as f64 / (1 << 20) as f64;
     println!(
-        "| {way} | {:.0} | {:.2} | {:.0} / {:.0} / {:.0} | {:.2} MiB / {:.2} MiB |",
+        "| {way} | {:.0} | {:.2} | {first_mean:.0} / {first_median:.0} / {first_max:.0} | \
+         {between_median:.2} / {between_p99:.2} / {between_max:.2} | {:.2} MiB / {:.2} MiB |",
         generated as f64 / served.wall.as_secs_f64(),
         served.wall.as_secs_f64(),
-        mean,
-        first[first.len() / 2],
-        first[first.len() - 1],
         mib(served.peak_cache.stored),
         mib(served.peak_cache.allocated)
     );
@@ -518,9 +600,12 @@ fn report(way: &str, served: &Served) {
 struct Settings {
     window: Option<usize>,
     pool_blocks: usize,
+    /// The most prompt rows a step of continuous batching feeds, if bounded.
+    prefill_chunk: Option<usize>,
 }
 
-/// Reads `--window N` and `--pool-blocks N`; a bad value exits with the usage.
+/// Reads `--window N`, `--pool-blocks N` and `--prefill-chunk N`; a bad value exits with the
+/// usage.
 fn settings(options: &ProgramOptions, requests: &[Request]) -> Settings {
     let number = |flag: &str, least: usize, what: &str| {
         options
@@ -545,23 +630,29 @@ fn settings(options: &ProgramOptions, requests: &[Request]) -> Settings {
             &format!("a number of blocks that holds the longest request (at least {longest})"),
         )
         .unwrap_or(POOL_BLOCKS),
+        prefill_chunk: number("--prefill-chunk", 1, "a number of rows (at least 1)"),
     }
 }
 
 fn main() {
-    let (name, device, options) =
-        device_and_options("serve", &[("--window", "N"), ("--pool-blocks", "N")]);
+    let (name, device, options) = device_and_options(
+        "serve",
+        &[
+            ("--window", "N"),
+            ("--pool-blocks", "N"),
+            ("--prefill-chunk", "N"),
+        ],
+    );
     let requests = requests();
-    let Settings {
-        window,
-        pool_blocks,
-    } = settings(&options, &requests);
+    let settings = settings(&options, &requests);
     device.seed(7);
-    let model = Model::new(window, &device);
+    let model = Model::new(settings.window, &device);
     let wanted: usize = requests.iter().map(|r| r.output_len).sum();
-    let attends = window.map_or("every position before it".to_string(), |window| {
-        format!("a sliding window of {window} positions")
-    });
+    let attends = settings
+        .window
+        .map_or("every position before it".to_string(), |window| {
+            format!("a sliding window of {window} positions")
+        });
     println!(
         "{REQUESTS} requests on {name}, one every {ARRIVAL_INTERVAL_MS} ms: a {SYSTEM_PROMPT}-token \
          system prompt then 16-192 tokens of their own, {wanted} tokens wanted in all; a \
@@ -570,23 +661,30 @@ fn main() {
     );
     // A short warm-up, so that neither way pays for first-use costs (allocator, threads).
     serve_one_at_a_time(&model, &requests[..1], &device);
-    let (batched, preemptions) =
-        ContinuousBatching::new(&model, &requests, pool_blocks, &device).serve();
+    let (batched, scheduled) =
+        ContinuousBatching::new(&model, &requests, &settings, &device).serve();
     let alone = serve_one_at_a_time(&model, &requests, &device);
     println!(
-        "| way | tokens/s | wall s | time to first token, ms (mean / median / max) | peak cache memory: stored / allocated |"
+        "| way | tokens/s | wall s | time to first token, ms (mean / median / max) | time between tokens, ms (median / p99 / max) | peak cache memory: stored / allocated |"
     );
-    println!("|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|");
+    let chunks = settings.prefill_chunk.map_or(String::new(), |rows| {
+        format!(", prompts in chunks of {rows} rows a step")
+    });
     report(
         &format!(
-            "continuous batching (paged, {pool_blocks} blocks of {BLOCK_SIZE} per layer, prompt prefixes shared)"
+            "continuous batching (paged, {} blocks of {BLOCK_SIZE} per layer, prompt prefixes \
+             shared{chunks})",
+            settings.pool_blocks
         ),
         &batched,
     );
     report("one at a time (KvCache per layer)", &alone);
+    let Preemptions { count, recomputed } = scheduled.preemptions;
     println!(
-        "\ncontinuous batching preempted requests {} times ({} positions computed again)",
-        preemptions.count, preemptions.recomputed
+        "\ncontinuous batching preempted requests {count} times ({recomputed} positions computed \
+         again) and fed at most {} prompt rows in a step",
+        scheduled.most_prompt_rows
     );
     check_same_tokens(&batched, &alone);
 }

@@ -7,15 +7,19 @@
 mod common;
 
 use std::process::Command;
+use std::time::Duration;
 
-use common::example_binary;
+use common::{example_binary, output_within};
+
+/// Far more than the example takes (a few seconds); a run that loops fails here.
+const EXAMPLE_LIMIT: Duration = Duration::from_secs(300);
 
 #[test]
 fn cached_beam_and_speculative_generation_agree_with_recomputation() {
-    let run = Command::new(example_binary("causal_generation"))
-        .args(["--device", "flex"])
-        .output()
-        .unwrap();
+    let run = output_within(
+        Command::new(example_binary("causal_generation")).args(["--device", "flex"]),
+        EXAMPLE_LIMIT,
+    );
     let stdout = String::from_utf8_lossy(&run.stdout);
     assert!(
         run.status.success(),

@@ -7,9 +7,13 @@ mod cases;
 mod common;
 
 use std::process::Command;
+use std::time::Duration;
 
 use cases::{CASES, fixture, read_f32, scratch};
-use common::example_binary;
+use common::{example_binary, output_within};
+
+/// Far more than a run of the example takes (a second); a run that loops fails here.
+const EXAMPLE_LIMIT: Duration = Duration::from_secs(300);
 
 #[test]
 fn the_example_reproduces_pytorch_on_every_layout_and_mask_kind() {
@@ -33,7 +37,7 @@ fn the_example_reproduces_pytorch_on_every_layout_and_mask_kind() {
             if zero_attn {
                 command.arg("--add-zero-attn");
             }
-            let run = command.output().unwrap();
+            let run = output_within(&mut command, EXAMPLE_LIMIT);
             assert!(
                 run.status.success(),
                 "{case} on {device}: {}",
@@ -64,7 +68,7 @@ fn the_example_reproduces_pytorch_on_every_layout_and_mask_kind() {
 fn the_example_reports_bad_arguments_and_files_in_one_line() {
     let binary = example_binary("pytorch_import");
     let run = |args: &[&str]| {
-        let output = Command::new(&binary).args(args).output().unwrap();
+        let output = output_within(Command::new(&binary).args(args), EXAMPLE_LIMIT);
         let stderr = String::from_utf8_lossy(&output.stderr).to_string();
         (output.status.code(), stderr)
     };

@@ -2,13 +2,18 @@
 //! every request the same tokens, but at a near tie of its two largest logits (the example exits
 //! 1 otherwise), with and without a sliding window and with a pool too small for the stream, whose
 //! requests are preempted and recomputed; each way reports its peak cache memory, stored within
-//! allocated (less under the window, within the pool's bound); bad options are refused.
+//! allocated (less under the window, within the pool's bound); prompts fed in chunks give the
+//! same tokens; bad options are refused.
 
 mod common;
 
 use std::process::Command;
+use std::time::Duration;
 
-use common::example_binary;
+use common::{example_binary, output_within};
+
+/// Far more than the example takes (a few seconds); a run that loops fails here.
+const EXAMPLE_LIMIT: Duration = Duration::from_secs(300);
 
 /// The MiB figures of a table row's last cell, `stored MiB / allocated MiB`.
 fn peak_memory(row: &str) -> (f64, f64) {
@@ -27,16 +32,18 @@ struct Report {
     peak_mib: [(f64, f64); 2],
     /// Times continuous batching preempted a request, and the positions computed again.
     preempted: (usize, usize),
+    /// The most prompt rows a step of continuous batching fed.
+    most_prompt_rows: usize,
 }
 
 /// The example's output with `args`, checked: every request the same tokens both ways, or
 /// parted at a near tie (the example fails otherwise), and each way's peak cache memory stored
 /// within allocated.
 fn served(args: &[&str]) -> Report {
-    let run = Command::new(example_binary("serve"))
-        .args(args)
-        .output()
-        .unwrap();
+    let run = output_within(
+        Command::new(example_binary("serve")).args(args),
+        EXAMPLE_LIMIT,
+    );
     let stdout = String::from_utf8_lossy(&run.stdout);
     assert!(
         run.status.success(),
@@ -74,14 +81,17 @@ fn served(args: &[&str]) -> Report {
     Report {
         peak_mib,
         preempted: (numbers[0], numbers[1]),
+        most_prompt_rows: numbers[2],
     }
 }
 
 #[test]
 fn continuous_batching_serves_every_request_the_tokens_of_serving_it_alone() {
     let every_position = served(&["--device", "flex"]);
-    // The default pool of 512 blocks holds the stream's peak: nothing is preempted.
+    // The default pool of 512 blocks holds the stream's peak: nothing is preempted. Whole
+    // prompts (80-256 rows, less the system prompt's shared blocks) go in one step.
     assert_eq!(every_position.preempted, (0, 0));
+    assert!(every_position.most_prompt_rows > 16);
     // Under a window of 32 positions each way stores less at its peak: the paged cache gives
     // back the blocks behind each sequence's window, a `KvCache` keeps the window only.
     let windowed = served(&["--device", "flex", "--window", "32"]);
@@ -120,6 +130,25 @@ fn a_pool_too_small_for_the_stream_preempts_and_recomputes_to_the_same_tokens() 
 }
 
 #[test]
+fn prompts_prefilled_in_chunks_give_the_same_tokens() {
+    // Every prompt (80-256 rows) fed 16 rows a step beside the others' tokens, with and without
+    // preemptions: a prompt preempted halfway comes back for the rows it lacks.
+    let chunked = served(&["--device", "flex", "--prefill-chunk", "16"]);
+    assert_eq!(chunked.preempted, (0, 0));
+    assert_eq!(chunked.most_prompt_rows, 16);
+    let small = served(&[
+        "--device",
+        "flex",
+        "--prefill-chunk",
+        "16",
+        "--pool-blocks",
+        "48",
+    ]);
+    assert!(small.preempted.0 > 0, "{:?}", small.preempted);
+    assert!(small.most_prompt_rows <= 16, "{}", small.most_prompt_rows);
+}
+
+#[test]
 fn bad_options_are_refused_with_the_usage() {
     for (args, error) in [
         (
@@ -127,21 +156,26 @@ fn bad_options_are_refused_with_the_usage() {
             "`--window` takes a number of positions (at least 1), not `0`",
         ),
         (
+            ["--prefill-chunk", "0"],
+            "`--prefill-chunk` takes a number of rows (at least 1), not `0`",
+        ),
+        (
             ["--pool-blocks", "24"],
             "`--pool-blocks` takes a number of blocks that holds the longest request (at least \
              25), not `24`",
         ),
     ] {
-        let run = Command::new(example_binary("serve"))
-            .args(args)
-            .output()
-            .unwrap();
+        let run = output_within(
+            Command::new(example_binary("serve")).args(args),
+            EXAMPLE_LIMIT,
+        );
         let stderr = String::from_utf8_lossy(&run.stderr);
         assert_eq!(run.status.code(), Some(2), "{args:?}: {stderr}");
         assert!(
             stderr.contains(error)
                 && stderr.contains(
-                    "usage: serve [--device flex|ndarray|wgpu] [--window N] [--pool-blocks N]"
+                    "usage: serve [--device flex|ndarray|wgpu] [--window N] [--pool-blocks N] \
+                     [--prefill-chunk N]"
                 ),
             "{stderr}"
         );
