@@ -22,6 +22,29 @@ use crate::{CrossAttentionCache, PagedCacheError, PagedKvCache, PagedKvCacheConf
 /// There is no sharing of prompts by their tokens here (no `add_sequence_with_prompt`): a
 /// decoder's keys at a position depend on the sequence's memory as well as on its tokens.
 /// [`fork`](Self::fork) shares blocks and memory where both are the same.
+///
+/// ```
+/// use burn::tensor::{Device, Distribution, Tensor};
+/// use mha::PagedKvCacheConfig;
+/// use mha::transformer::TransformerDecoderConfig;
+///
+/// let device = Device::flex();
+/// let decoder = TransformerDecoderConfig::new(16, 32, 4, 2).init(&device);
+/// let mut cache = decoder.new_paged_cache(PagedKvCacheConfig::new(64));
+/// // Two sources of different lengths, each encoded on its own (`[seq_memory, d_model]`).
+/// let memory_a = Tensor::<2>::random([7, 16], Distribution::Default, &device);
+/// let memory_b = Tensor::<2>::random([3, 16], Distribution::Default, &device);
+/// let a = decoder.add_paged_sequence(&mut cache, memory_a);
+/// let b = decoder.add_paged_sequence(&mut cache, memory_b);
+/// // `a`'s first two target tokens and `b`'s first, in one step; then one token each.
+/// let first = Tensor::<2>::random([3, 16], Distribution::Default, &device);
+/// decoder.forward_paged(first, &mut cache, &[a, a, b]).unwrap();
+/// let next = Tensor::<2>::random([2, 16], Distribution::Default, &device);
+/// let output = decoder.forward_paged(next, &mut cache, &[a, b]).unwrap();
+/// assert_eq!(output.dims(), [2, 16]);
+/// assert_eq!((cache.len(a), cache.len(b)), (Some(3), Some(2)));
+/// assert_eq!((cache.memory_len(a), cache.memory_len(b)), (Some(7), Some(3)));
+/// ```
 #[derive(Debug, Clone)]
 pub struct PagedTransformerDecoderCache {
     self_attention: PagedTransformerCache,
