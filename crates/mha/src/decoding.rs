@@ -8,6 +8,7 @@ use crate::cache::{
     CacheError, CacheLimit, CacheStep, CacheStorage, CrossAttentionCache, KvCache,
     beyond_half_range,
 };
+use crate::cpu::{map_in_parallel, native_storage};
 use crate::input::{AttentionPath, MhaInput, MhaOutput, NeedWeights};
 use crate::mask::Visibility;
 use crate::module::{MultiHeadAttention, Plan, RopeStarts, Sequences};
@@ -315,7 +316,7 @@ impl MultiHeadAttention {
         // changes nothing.
         let heads = self.project_query(query.reshape([1, rows, self.d_model]), 0);
         let mut start = 0;
-        let contexts = runs
+        let pieces: Vec<_> = runs
             .iter()
             .map(|&(len, memory)| {
                 self.check_cross_cache(memory);
@@ -325,13 +326,21 @@ impl MultiHeadAttention {
                      needs rows, and a memory of its own",
                     memory.batch()
                 );
-                let plan = self.cross_plan(memory, 1, len, NeedWeights::No, &device);
                 let run = heads.clone().narrow(2, start, len);
                 start += len;
-                let (key, value) = (memory.key.clone(), memory.value.clone());
-                self.attention_heads(run, key, value, &plan).0
+                (run, memory)
             })
             .collect();
+        // On the CPU the runs share rayon's threads: each is small (a decoding row over one
+        // memory), and run in turn most of them would leave a thread idle. Elsewhere (a GPU's
+        // queue, autodiff's graph) one after the other.
+        let parallel = native_storage(&device) && !device.is_autodiff();
+        let contexts = map_in_parallel(pieces, parallel, |(run, memory)| {
+            let [_, _, len, _] = run.dims();
+            let plan = self.cross_plan(memory, 1, len, NeedWeights::No, &device);
+            let (key, value) = (memory.key.clone(), memory.value.clone());
+            self.attention_heads(run, key, value, &plan).0
+        });
         self.output_projection(Tensor::cat(contexts, 2))
             .reshape([rows, self.d_model])
     }

@@ -46,6 +46,33 @@ pub(crate) use rotary::native_rotation;
 #[cfg(any(feature = "flex", feature = "ndarray"))]
 pub(crate) use storage::native_storage;
 
+/// `f` of every item, in order, on rayon's threads where `parallel` (independent pieces of one
+/// call, each too small to fill the threads alone, so that they share the threads instead of
+/// taking turns), else one after the other on the calling thread.
+#[cfg(any(feature = "flex", feature = "ndarray"))]
+pub(crate) fn map_in_parallel<T: Send, R: Send>(
+    items: Vec<T>,
+    parallel: bool,
+    f: impl Fn(T) -> R + Sync + Send,
+) -> Vec<R> {
+    use rayon::iter::{IntoParallelIterator, ParallelIterator};
+    if parallel {
+        items.into_par_iter().map(f).collect()
+    } else {
+        items.into_iter().map(f).collect()
+    }
+}
+
+/// Without a CPU backend compiled in, one item after the other.
+#[cfg(not(any(feature = "flex", feature = "ndarray")))]
+pub(crate) fn map_in_parallel<T: Send, R: Send>(
+    items: Vec<T>,
+    _parallel: bool,
+    f: impl Fn(T) -> R + Sync + Send,
+) -> Vec<R> {
+    items.into_iter().map(f).collect()
+}
+
 /// Without a CPU backend compiled in, no device stores its tensors where the native kernels
 /// read them.
 #[cfg(not(any(feature = "flex", feature = "ndarray")))]
