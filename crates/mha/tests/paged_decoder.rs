@@ -11,6 +11,7 @@ mod common;
 use std::collections::BTreeMap;
 
 use burn::tensor::{Device, Tensor};
+use common::Rng;
 use common::{assert_close, panic_message, randn, row_ids, storages, test_devices};
 use mha::transformer::{
     PagedTransformerDecoderCache, TransformerDecoder, TransformerDecoderCache,
@@ -162,6 +163,81 @@ fn a_decoder_serves_each_sequence_over_its_own_memory_as_decoding_it_alone() {
                 assert_eq!(harness.paged.self_attention().blocks_in_use(), 0, "{name}");
             }
         }
+    }
+}
+
+#[test]
+fn random_schedules_of_joins_forks_cuts_and_departures_serve_each_sequence_as_alone() {
+    let device = Device::flex();
+    let _seed = common::seed(&device, 56);
+    let decoder = decoder(true, &device);
+    for (schedule, storage) in [CacheStorage::Float, CacheStorage::Int8]
+        .into_iter()
+        .enumerate()
+    {
+        let mut rng = Rng(0x5eed + schedule as u64);
+        let config = PagedKvCacheConfig::new(256)
+            .with_block_size(4)
+            .with_storage(storage);
+        let mut harness = DecoderHarness::new(&decoder, &device, config);
+        let mut live: Vec<SequenceId> = Vec::new();
+        // Joins, forks, cuts and departures done, so that the schedule is seen to hold each.
+        let mut done = [0; 4];
+        for _ in 0..40 {
+            match rng.below(10) {
+                0 | 1 if live.len() < 6 => {
+                    live.push(harness.add(1 + rng.below(12)));
+                    done[0] += 1;
+                }
+                2 if !live.is_empty() => {
+                    let source = rng.pick(&live);
+                    if harness.paged.len(source) > Some(0) {
+                        live.push(harness.fork(source));
+                        done[1] += 1;
+                    }
+                }
+                3 if !live.is_empty() => {
+                    let id = rng.pick(&live);
+                    let len = harness.paged.len(id).unwrap();
+                    if len > 1 {
+                        harness.truncate(id, 1 + rng.below(len - 1));
+                        done[2] += 1;
+                    }
+                }
+                4 if live.len() > 1 => {
+                    let id = live.remove(rng.below(live.len()));
+                    harness.remove(id);
+                    done[3] += 1;
+                }
+                _ => {}
+            }
+            if live.is_empty() {
+                continue;
+            }
+            // A ragged step: each live sequence, in a shuffled order, with 0-5 rows (a prompt
+            // chunk) or one (a decoding token); at least one row in all.
+            let mut order = live.clone();
+            for i in (1..order.len()).rev() {
+                order.swap(i, rng.below(i + 1));
+            }
+            let mut rows: Vec<(SequenceId, usize)> = order
+                .into_iter()
+                .map(|id| (id, if rng.chance(0.3) { rng.below(6) } else { 1 }))
+                .filter(|&(_, n)| n > 0)
+                .collect();
+            if rows.is_empty() {
+                rows.push((live[0], 1));
+            }
+            harness.step(&rows);
+        }
+        assert!(
+            done.iter().all(|&count| count > 0),
+            "{storage:?}: joins, forks, cuts, departures: {done:?}"
+        );
+        assert!(
+            harness.paged.sequences().eq(live.iter().copied()),
+            "{storage:?}: the cache holds the sequences alive"
+        );
     }
 }
 
