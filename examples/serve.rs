@@ -13,8 +13,8 @@
 //! blocks, free ones included; a `KvCache`'s buffers with their room to grow).
 //!
 //! Requests join without a reservation for the tokens they will generate, as vLLM schedules:
-//! when the pool lacks a block for some request's next token, the request that joined last is
-//! preempted (its blocks go back to the pool) and comes back first, its prompt and the tokens it
+//! when the pool lacks a block for a step (a request's next token or prompt rows), the request
+//! that joined last is preempted (its blocks go back to the pool) and comes back first, its prompt and the tokens it
 //! had generated recomputed but for the whole blocks the cache still holds. `--pool-blocks N`
 //! bounds the pool (512 blocks of 16 per layer by default, which hold the stream's peak); a
 //! smaller pool preempts, and the example prints how often. `--prefill-chunk N` feeds at most
@@ -278,11 +278,13 @@ struct Running {
 }
 
 /// How many times continuous batching took a request out of the batch to make room for the
-/// others' next tokens (a request may be taken out more than once), and the positions those
-/// requests had to compute again when they came back.
+/// others' rows (a request may be taken out more than once), how many of those times the
+/// request was still prefilling its prompt, and the positions the requests had to compute
+/// again when they came back (those they held, less the whole blocks the cache still held).
 #[derive(Debug, Clone, Copy, Default)]
 struct Preemptions {
     count: usize,
+    prefilling: usize,
     recomputed: usize,
 }
 
@@ -328,6 +330,9 @@ struct ContinuousBatching<'a> {
     tokens: Vec<Vec<i64>>,
     margins: Vec<Vec<f32>>,
     token_times: Vec<Vec<Duration>>,
+    /// The positions each request held when it was last preempted (0: not preempted since it
+    /// came back).
+    held_when_preempted: Vec<usize>,
     started: Instant,
     peak_cache: CacheBytes,
     scheduled: Scheduled,
@@ -352,6 +357,7 @@ impl<'a> ContinuousBatching<'a> {
             tokens: vec![Vec::new(); requests.len()],
             margins: vec![Vec::new(); requests.len()],
             token_times: vec![Vec::new(); requests.len()],
+            held_when_preempted: vec![0; requests.len()],
             started: Instant::now(),
             peak_cache: CacheBytes::default(),
             scheduled: Scheduled::default(),
@@ -427,11 +433,15 @@ impl<'a> ContinuousBatching<'a> {
         {
             // A request alone always fits: the pool holds the longest request whole.
             let run = self.running.pop().expect("a request alone fits the pool");
+            self.held_when_preempted[run.request] =
+                self.cache.len(run.id).expect("a running sequence");
             self.cache
                 .remove_sequence(run.id)
                 .expect("a running sequence");
             self.waiting.push_front(run.request);
-            self.scheduled.preemptions.count += 1;
+            let preemptions = &mut self.scheduled.preemptions;
+            preemptions.count += 1;
+            preemptions.prefilling += usize::from(self.tokens[run.request].is_empty());
         }
     }
 
@@ -474,10 +484,9 @@ impl<'a> ContinuousBatching<'a> {
                 break;
             }
             self.waiting.pop_front();
-            if !self.tokens[next].is_empty() {
-                // Rows it had computed before, all but the last token's.
-                self.scheduled.preemptions.recomputed += pending.len() - 1;
-            }
+            // Positions it held before a preemption that it computes again.
+            let held = std::mem::take(&mut self.held_when_preempted[next]);
+            self.scheduled.preemptions.recomputed += held.saturating_sub(matched.cached);
             self.running.push(Running {
                 request: next,
                 id: matched.id,
@@ -680,10 +689,14 @@ fn main() {
         &batched,
     );
     report("one at a time (KvCache per layer)", &alone);
-    let Preemptions { count, recomputed } = scheduled.preemptions;
+    let Preemptions {
+        count,
+        prefilling,
+        recomputed,
+    } = scheduled.preemptions;
     println!(
-        "\ncontinuous batching preempted requests {count} times ({recomputed} positions computed \
-         again) and fed at most {} prompt rows in a step",
+        "\ncontinuous batching preempted requests {count} times ({prefilling} while prefilling; \
+         {recomputed} positions computed again) and fed at most {} prompt rows in a step",
         scheduled.most_prompt_rows
     );
     check_same_tokens(&batched, &alone);

@@ -32,6 +32,8 @@ struct Report {
     peak_mib: [(f64, f64); 2],
     /// Times continuous batching preempted a request, and the positions computed again.
     preempted: (usize, usize),
+    /// Those of the preemptions that took a request still prefilling its prompt.
+    preempted_prefilling: usize,
     /// The most prompt rows a step of continuous batching fed.
     most_prompt_rows: usize,
 }
@@ -80,8 +82,9 @@ fn served(args: &[&str]) -> Report {
         .collect();
     Report {
         peak_mib,
-        preempted: (numbers[0], numbers[1]),
-        most_prompt_rows: numbers[2],
+        preempted: (numbers[0], numbers[2]),
+        preempted_prefilling: numbers[1],
+        most_prompt_rows: numbers[3],
     }
 }
 
@@ -131,8 +134,8 @@ fn a_pool_too_small_for_the_stream_preempts_and_recomputes_to_the_same_tokens() 
 
 #[test]
 fn prompts_prefilled_in_chunks_give_the_same_tokens() {
-    // Every prompt (80-256 rows) fed 16 rows a step beside the others' tokens, with and without
-    // preemptions: a prompt preempted halfway comes back for the rows it lacks.
+    // Every prompt (80-256 rows) fed 16 rows a step beside the others' tokens. The default pool
+    // holds every request's every block at once (509 of 512): nothing is preempted.
     let chunked = served(&["--device", "flex", "--prefill-chunk", "16"]);
     assert_eq!(chunked.preempted, (0, 0));
     assert_eq!(chunked.most_prompt_rows, 16);
@@ -146,6 +149,27 @@ fn prompts_prefilled_in_chunks_give_the_same_tokens() {
     ]);
     assert!(small.preempted.0 > 0, "{:?}", small.preempted);
     assert!(small.most_prompt_rows <= 16, "{}", small.most_prompt_rows);
+    // Prompts fed 2 rows a step into a pool that holds about one request: requests are
+    // preempted halfway through their prompts and come back for the rows the cache lacks.
+    let halfway = served(&[
+        "--device",
+        "flex",
+        "--prefill-chunk",
+        "2",
+        "--pool-blocks",
+        "30",
+    ]);
+    assert!(
+        halfway.preempted_prefilling > 0,
+        "{} of {} preemptions while prefilling",
+        halfway.preempted_prefilling,
+        halfway.preempted.0
+    );
+    assert!(
+        halfway.most_prompt_rows <= 2,
+        "{}",
+        halfway.most_prompt_rows
+    );
 }
 
 #[test]

@@ -288,7 +288,8 @@ impl MultiHeadAttention {
     /// [`forward_cross_cached`](Self::forward_cross_cached) for a ragged batch: the rows of
     /// `query` in runs, run `i` of `runs[i].0` rows over its own memory `runs[i].1` (a batch of
     /// one), every run's rows projected in and out together and each run's heads attended to
-    /// its memory in place.
+    /// its memory in place; on flex and ndarray outside autodiff the runs share rayon's
+    /// threads.
     ///
     /// # Shapes
     ///

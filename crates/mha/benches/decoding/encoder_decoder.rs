@@ -22,7 +22,7 @@ const MEMORY_LENGTHS: [usize; 8] = [256, 64, 1024, 128, 512, 192, 768, 384];
 const TARGET_LENGTHS: [usize; 8] = [32, 128, 16, 64, 96, 8, 48, 24];
 const LAYERS: usize = 2;
 
-/// The table: for each number of sequences in `concurrency`, ms per round both ways over
+/// The table: for each number of sequences in `concurrency`, ms per round each way over
 /// `rounds` rounds, through a decoder of [`LAYERS`] layers of `d_model` with `heads` query and
 /// `kv_heads` key/value heads.
 pub fn table(
@@ -102,7 +102,7 @@ struct Served<'a> {
 }
 
 impl<'a> Served<'a> {
-    /// `sequences` sequences over their memories, each holding its target prompt both ways, in
+    /// `sequences` sequences over their memories, each holding its target prompt every way, in
     /// a pool with room for `rounds` more tokens each.
     fn new(
         decoder: &'a TransformerDecoder,
