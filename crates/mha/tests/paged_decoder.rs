@@ -167,6 +167,19 @@ fn a_decoder_serves_each_sequence_over_its_own_memory_as_decoding_it_alone() {
 }
 
 #[test]
+fn an_autodiff_device_serves_each_sequence_as_decoding_it_alone() {
+    // Autodiff takes the gathered self-attention and one cross-attention after the other.
+    let device = Device::flex().autodiff();
+    let _seed = common::seed(&device, 57);
+    let decoder = decoder(false, &device);
+    let config = PagedKvCacheConfig::new(32).with_block_size(4);
+    let mut harness = DecoderHarness::new(&decoder, &device, config);
+    let (a, b) = (harness.add(6), harness.add(2));
+    harness.step(&[(b, 3), (a, 5)]);
+    harness.step(&[(a, 1), (b, 1)]);
+}
+
+#[test]
 fn random_schedules_of_joins_forks_cuts_and_departures_serve_each_sequence_as_alone() {
     let device = Device::flex();
     let _seed = common::seed(&device, 56);
