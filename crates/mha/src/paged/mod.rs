@@ -23,8 +23,9 @@ mod prefix;
 mod step;
 mod store;
 
+pub(crate) use cache::SequenceRows;
 pub(crate) use cpu::{native_cached_attention, native_kernel_runs};
-pub(crate) use step::{IN_PLACE_ROWS, StepHeads};
+pub(crate) use step::{IN_PLACE_ROWS, StepHeads, sequence_rows};
 pub(crate) use store::{BlockTensor, StoredBlocks};
 
 pub use cache::{PagedCacheError, PagedKvCache, PagedKvCacheConfig, PromptMatch, SequenceId};

@@ -207,7 +207,7 @@ pub(crate) const IN_PLACE_ROWS: usize = 32;
 /// # Panics
 ///
 /// If a sequence's rows are not consecutive.
-pub(super) fn sequence_rows(caller: &str, sequences: &[SequenceId]) -> Vec<SequenceRows> {
+pub(crate) fn sequence_rows(caller: &str, sequences: &[SequenceId]) -> Vec<SequenceRows> {
     let mut runs: Vec<SequenceRows> = Vec::new();
     for (row, &id) in sequences.iter().enumerate() {
         match runs.last_mut() {

@@ -10,6 +10,7 @@ use burn::tensor::Tensor;
 use super::decoder::{TransformerDecoder, TransformerDecoderLayer};
 use super::feed_forward;
 use super::paged::{PagedTransformerCache, SubLayer, paged_self_attention};
+use crate::paged::{SequenceRows, sequence_rows};
 use crate::{CrossAttentionCache, PagedCacheError, PagedKvCache, PagedKvCacheConfig, SequenceId};
 
 /// The paged caches of a [`TransformerDecoder`], for
@@ -278,14 +279,8 @@ impl TransformerDecoder {
         );
         self.check_paged_cache("forward_paged", cache);
         // Each run of rows and its sequence, checked before any layer stores the step.
-        let mut runs: Vec<(SequenceId, usize)> = Vec::new();
-        for &id in sequences {
-            match runs.last_mut() {
-                Some((last, len)) if *last == id => *len += 1,
-                _ => runs.push((id, 1)),
-            }
-        }
-        for &(id, _) in &runs {
+        let runs = sequence_rows("TransformerDecoder::forward_paged", sequences);
+        for &SequenceRows { id, .. } in &runs {
             let Some(memories) = cache.memories.get(&id) else {
                 return Err(PagedCacheError::UnknownSequence(id));
             };
@@ -306,7 +301,7 @@ impl TransformerDecoder {
         self_attention.forward_layers(target, |index, x, layer_cache| {
             let layer_memories: Vec<(usize, &CrossAttentionCache)> = runs
                 .iter()
-                .map(|&(id, len)| (len, &memories[&id][index]))
+                .map(|run| (run.rows.len(), &memories[&run.id][index]))
                 .collect();
             self.layers[index].forward_paged(x, layer_cache, sequences, &layer_memories)
         })
