@@ -38,6 +38,10 @@ use std::time::{Duration, Instant};
 
 use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig};
 use burn::tensor::{Device, Int, Tensor, TensorData};
+use burn_mha::serving::{
+    CacheBytes, Choice, Numbers, Served, TABLE_HEADER, check_same_tokens, embed, greedy, last_rows,
+    report,
+};
 use burn_mha::{ProgramOptions, device_and_options};
 use mha::transformer::{
     PagedTransformerCache, TransformerEncoder, TransformerEncoderCache, TransformerEncoderConfig,
@@ -78,13 +82,8 @@ fn system_prompt() -> Vec<i64> {
 
 /// A deterministic stream of requests: prompts of 16–192 tokens, 32–160 tokens wanted.
 fn requests() -> Vec<Request> {
-    let mut state: u64 = 0x2545_f491_4f6c_dd1d;
-    let mut next = |below: u64| {
-        state = state
-            .wrapping_mul(6_364_136_223_846_793_005)
-            .wrapping_add(1);
-        (state >> 33) % below
-    };
+    let mut numbers = Numbers::new(0x2545_f491_4f6c_dd1d);
+    let mut next = |below: u64| numbers.below(below);
     (0..REQUESTS)
         .map(|i| {
             let prompt_len = 16 + next(177) as usize;
@@ -122,11 +121,7 @@ impl Model {
     }
 
     fn embed(&self, tokens: &[i64], device: &Device) -> Tensor<3> {
-        let tokens = Tensor::<2, Int>::from_data(
-            TensorData::new(tokens.to_vec(), [1, tokens.len()]),
-            device,
-        );
-        self.embedding.forward(tokens)
+        embed(&self.embedding, tokens, device)
     }
 
     /// Greedy next tokens of one paged step: `tokens[i]` belongs to `sequences[i]`; one token
@@ -143,10 +138,7 @@ impl Model {
             .stack
             .forward_paged(x, cache, sequences)
             .expect("admission and preemption keep every step within the pool");
-        let last_rows: Vec<i64> = (0..sequences.len())
-            .filter(|&row| row + 1 == sequences.len() || sequences[row + 1] != sequences[row])
-            .map(|row| row as i64)
-            .collect();
+        let last_rows = last_rows(sequences);
         let count = last_rows.len();
         let rows = Tensor::<1, Int>::from_data(TensorData::new(last_rows, [count]), device);
         greedy(self.head.forward(hidden.select(0, rows)))
@@ -168,103 +160,6 @@ impl Model {
             .expect("the stack's own caches take every step");
         let last = hidden.narrow(1, tokens.len() - 1, 1).reshape([1, D_MODEL]);
         greedy(self.head.forward(last))[0]
-    }
-}
-
-/// A greedy choice: the token of the largest logit, and how far that logit lies above the
-/// runner-up's (two ways that compute the same logits to within rounding may choose apart only
-/// where this margin is about as small as the rounding).
-#[derive(Debug, Clone, Copy)]
-struct Choice {
-    token: i64,
-    margin: f32,
-}
-
-/// Each row's greedy choice.
-fn greedy(logits: Tensor<2>) -> Vec<Choice> {
-    let [_, vocab] = logits.dims();
-    let logits = logits.into_data().try_to_vec::<f32>().expect("f32 logits");
-    logits
-        .chunks_exact(vocab)
-        .map(|row| {
-            let (mut best, mut second) = ((0, f32::NEG_INFINITY), f32::NEG_INFINITY);
-            for (token, &logit) in row.iter().enumerate() {
-                if logit > best.1 {
-                    second = best.1;
-                    best = (token, logit);
-                } else if logit > second {
-                    second = logit;
-                }
-            }
-            Choice {
-                token: best.0 as i64,
-                margin: best.1 - second,
-            }
-        })
-        .collect()
-}
-
-/// A margin between the two largest logits below which two ways that compute the same logits
-/// to within rounding may choose apart.
-const NEAR_TIE: f32 = 1e-3;
-
-/// What serving the stream one way measured.
-struct Served {
-    tokens: Vec<Vec<i64>>,
-    /// Each token's [`Choice::margin`].
-    margins: Vec<Vec<f32>>,
-    wall: Duration,
-    /// When each token came out, from the start of serving.
-    token_times: Vec<Vec<Duration>>,
-    /// When each request arrived, likewise.
-    arrivals: Vec<Duration>,
-    peak_cache: CacheBytes,
-}
-
-/// A cache's memory at its peak: what the sequences in flight store, and what the cache had
-/// allocated then.
-#[derive(Debug, Clone, Copy, Default)]
-struct CacheBytes {
-    stored: usize,
-    allocated: usize,
-}
-
-impl CacheBytes {
-    /// The larger of `self` and `now` by the bytes stored.
-    fn peak(self, now: CacheBytes) -> CacheBytes {
-        if now.stored > self.stored { now } else { self }
-    }
-}
-
-impl Served {
-    /// Each request's time to its first token, ms.
-    fn first_token_ms(&self) -> Vec<f64> {
-        self.token_times
-            .iter()
-            .zip(&self.arrivals)
-            .map(|(times, &arrival)| (times[0] - arrival).as_secs_f64() * 1e3)
-            .collect()
-    }
-
-    /// The time between each two tokens of a request that follow each other, ms, every
-    /// request's.
-    fn between_tokens_ms(&self) -> Vec<f64> {
-        self.token_times
-            .iter()
-            .flat_map(|times| {
-                times
-                    .windows(2)
-                    .map(|pair| (pair[1] - pair[0]).as_secs_f64() * 1e3)
-            })
-            .collect()
-    }
-
-    /// Each request's tokens and their margins.
-    fn runs(&self) -> impl Iterator<Item = (&[i64], &[f32])> {
-        self.tokens
-            .iter()
-            .zip(&self.margins)
-            .map(|(tokens, margins)| (tokens.as_slice(), margins.as_slice()))
     }
 }
 
@@ -582,29 +477,6 @@ fn serve_one_at_a_time(model: &Model, requests: &[Request], device: &Device) -> 
     }
 }
 
-/// The mean, median, 99th percentile and largest of `values`.
-fn summary(mut values: Vec<f64>) -> [f64; 4] {
-    values.sort_by(f64::total_cmp);
-    let mean = values.iter().sum::<f64>() / values.len() as f64;
-    let at = |fraction: f64| values[((values.len() - 1) as f64 * fraction).round() as usize];
-    [mean, at(0.5), at(0.99), at(1.0)]
-}
-
-fn report(way: &str, served: &Served) {
-    let generated: usize = served.tokens.iter().map(Vec::len).sum();
-    let [first_mean, first_median, _, first_max] = summary(served.first_token_ms());
-    let [_, between_median, between_p99, between_max] = summary(served.between_tokens_ms());
-    let mib = |bytes: usize| bytes as f64 / (1 << 20) as f64;
-    println!(
-        "| {way} | {:.0} | {:.2} | {first_mean:.0} / {first_median:.0} / {first_max:.0} | \
-         {between_median:.2} / {between_p99:.2} / {between_max:.2} | {:.2} MiB / {:.2} MiB |",
-        generated as f64 / served.wall.as_secs_f64(),
-        served.wall.as_secs_f64(),
-        mib(served.peak_cache.stored),
-        mib(served.peak_cache.allocated)
-    );
-}
-
 /// What the command line asks for beside the device.
 struct Settings {
     window: Option<usize>,
@@ -616,14 +488,7 @@ struct Settings {
 /// Reads `--window N`, `--pool-blocks N` and `--prefill-chunk N`; a bad value exits with the
 /// usage.
 fn settings(options: &ProgramOptions, requests: &[Request]) -> Settings {
-    let number = |flag: &str, least: usize, what: &str| {
-        options
-            .value(flag)
-            .map(|value| match value.parse::<usize>() {
-                Ok(number) if number >= least => number,
-                _ => options.fail(&format!("`{flag}` takes {what}, not `{value}`")),
-            })
-    };
+    let number = |flag: &str, least: usize, what: &str| options.number(flag, least, what);
     // The pool must hold the longest request whole, its prompt and every token it wants: a
     // request alone is never preempted.
     let longest = requests
@@ -673,10 +538,7 @@ fn main() {
     let (batched, scheduled) =
         ContinuousBatching::new(&model, &requests, &settings, &device).serve();
     let alone = serve_one_at_a_time(&model, &requests, &device);
-    println!(
-        "| way | tokens/s | wall s | time to first token, ms (mean / median / max) | time between tokens, ms (median / p99 / max) | peak cache memory: stored / allocated |"
-    );
-    println!("|---|---|---|---|---|---|");
+    println!("{TABLE_HEADER}");
     let chunks = settings.prefill_chunk.map_or(String::new(), |rows| {
         format!(", prompts in chunks of {rows} rows a step")
     });
@@ -700,46 +562,4 @@ fn main() {
         scheduled.most_prompt_rows
     );
     check_same_tokens(&batched, &alone);
-}
-
-/// Exits with status 1 if a request got different tokens from the two ways, but at a near tie.
-fn check_same_tokens(batched: &Served, alone: &Served) {
-    // The two ways compute the same logits to within float rounding (about 1e-5 here), so a
-    // greedy choice may differ only where its two largest logits are about that close; anywhere
-    // else a difference is a bug.
-    let (mut ties, mut parted) = (Vec::new(), Vec::new());
-    for (request, (batched_run, alone_run)) in batched.runs().zip(alone.runs()).enumerate() {
-        let (batched_tokens, batched_margins) = batched_run;
-        let (alone_tokens, alone_margins) = alone_run;
-        let differs = batched_tokens
-            .iter()
-            .zip(alone_tokens)
-            .position(|(a, b)| a != b)
-            .or((batched_tokens.len() != alone_tokens.len())
-                .then(|| batched_tokens.len().min(alone_tokens.len())));
-        let Some(at) = differs else { continue };
-        let margin = |margins: &[f32]| margins.get(at).copied().unwrap_or(f32::INFINITY);
-        let margin = margin(batched_margins).min(margin(alone_margins));
-        let line = format!("request {request} from token {at} (margin {margin:.1e})");
-        if margin < NEAR_TIE {
-            ties.push(line);
-        } else {
-            parted.push(line);
-        }
-    }
-    let same = REQUESTS - ties.len() - parted.len();
-    println!("{same} of {REQUESTS} requests got the same tokens both ways");
-    if !ties.is_empty() {
-        println!(
-            "parted at a near tie (two largest logits within {NEAR_TIE:.0e}): {}",
-            ties.join(", ")
-        );
-    }
-    if !parted.is_empty() {
-        eprintln!(
-            "error: the two ways gave different tokens: {}",
-            parted.join(", ")
-        );
-        std::process::exit(1);
-    }
 }

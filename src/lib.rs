@@ -1,9 +1,10 @@
 //! Support shared by the workspace root's examples and end-to-end tests: choosing a Burn device
-//! by name. The library itself is the `mha` crate (`crates/mha`), whose integration tests
-//! share the same device list.
+//! by name, and what the serving examples share ([`serving`]). The library itself is the `mha`
+//! crate (`crates/mha`), whose integration tests share the same device list.
 
 #[path = "../crates/mha/tests/common/devices.rs"]
 mod devices;
+pub mod serving;
 
 pub use devices::{DEVICE_NAMES, device_by_name, device_works, test_devices, tolerance};
 
@@ -82,6 +83,20 @@ impl ProgramOptions {
             .find(|(own, _)| own == flag)
             .unwrap_or_else(|| panic!("`{flag}` is not an option of the program"));
         value.as_deref()
+    }
+
+    /// The number given for `flag`, if it was given: a whole number of at least `least`, or
+    /// else the program exits as [`fail`](Self::fail) with ``"`flag` takes {what}, not
+    /// `value`"``.
+    ///
+    /// # Panics
+    ///
+    /// If `flag` is not one of the program's options.
+    pub fn number(&self, flag: &str, least: usize, what: &str) -> Option<usize> {
+        self.value(flag).map(|value| match value.parse::<usize>() {
+            Ok(number) if number >= least => number,
+            _ => self.fail(&format!("`{flag}` takes {what}, not `{value}`")),
+        })
     }
 
     /// Prints `message` with the usage line and exits with status 2: a bad argument.

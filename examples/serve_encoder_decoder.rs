@@ -1,0 +1,515 @@
+//! Serving a stream of requests with a small (untrained) encoder-decoder model, as a
+//! translation or speech-recognition server does, two ways: continuous batching through a
+//! `PagedTransformerDecoderCache`, and one request at a time with a `TransformerDecoderCache`.
+//!
+//! Each request brings a source of its own length and a short forced start of its output (a
+//! start token and up to seven tokens, as Whisper's task tokens), and wants some tokens back.
+//! When it arrives the encoder reads its source alone; continuous batching then adds it to the
+//! running batch with `add_paged_sequence` (every decoder layer's cross-attention projects the
+//! encoder's output once) and feeds its forced start in the same step as the other requests'
+//! next tokens, each request attending to its own source however long, none padded to another's.
+//! A finished request's blocks and projected source go at once.
+//!
+//! A request joins while the pool's blocks not yet reserved hold its forced start and every
+//! token it may want (its `max_tokens`): it never needs a block the pool lacks, and a pool too
+//! small for the stream's peak (`--pool-blocks N`, 512 blocks of 16 per layer by default) makes
+//! requests wait for others to finish instead. (`examples/serve.rs` shows the other way, vLLM's:
+//! joining without a reservation, and preempting a request when the pool runs out.)
+//!
+//! Every request that has arrived joins at the next step by default, its source encoded before
+//! the step: the running requests wait for those encodings. `--joins-per-step N` lets at most
+//! `N` join a step, which shortens the longest waits between the running requests' tokens and
+//! lengthens the joining requests' wait for their first.
+//!
+//! Both ways decode greedily, so each request must get the same tokens either way, unless its
+//! two largest logits were within rounding of each other (a near tie, reported); the example
+//! exits with status 1, naming the requests, if one does not. It prints tokens per second, time
+//! to first token (its source's encoding included), time between tokens and peak cache memory
+//! for each way: the bytes the requests in flight store (their decoder positions, each
+//! sequence's last block whole, and every layer's projection of their sources) and what the
+//! caches had allocated.
+//!
+//! ```sh
+//! cargo run --release --example serve_encoder_decoder -- --device flex   # or ndarray; wgpu with `--features wgpu`
+//! cargo run --release --example serve_encoder_decoder -- --pool-blocks 64
+//! cargo run --release --example serve_encoder_decoder -- --joins-per-step 1
+//! ```
+
+use std::time::{Duration, Instant};
+
+use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig};
+use burn::tensor::{Device, Int, Tensor, TensorData};
+use burn_mha::serving::{
+    CacheBytes, Choice, Numbers, Served, TABLE_HEADER, check_same_tokens, embed, greedy, last_rows,
+    report,
+};
+use burn_mha::{ProgramOptions, device_and_options};
+use mha::transformer::{
+    PagedTransformerDecoderCache, TransformerDecoder, TransformerDecoderCache,
+    TransformerDecoderConfig, TransformerDecoderInput, TransformerEncoder,
+    TransformerEncoderConfig, TransformerEncoderInput,
+};
+use mha::{PagedKvCacheConfig, RopeConfig, SequenceId};
+
+const VOCAB: usize = 256;
+const D_MODEL: usize = 256;
+/// Layers of the encoder, and of the decoder.
+const LAYERS: usize = 2;
+const HEADS: usize = 8;
+const KV_HEADS: usize = 2;
+/// Bytes a layer stores per position, of the decoder's own or of a projected source: an f32
+/// key and value per key/value head.
+const POSITION_BYTES: usize = 2 * KV_HEADS * (D_MODEL / HEADS) * 4;
+const REQUESTS: usize = 32;
+/// A request arrives every this many milliseconds.
+const ARRIVAL_INTERVAL_MS: u64 = 2;
+const BLOCK_SIZE: usize = 16;
+/// The pool's bound per layer unless `--pool-blocks` says otherwise: 8192 positions.
+const POOL_BLOCKS: usize = 512;
+/// The token every output starts with.
+const START: i64 = 1;
+
+/// One client's request: its source, the forced start of its output, and how many tokens it
+/// wants after that.
+struct Request {
+    arrival: Duration,
+    source: Vec<i64>,
+    /// [`START`], then up to seven tokens.
+    forced: Vec<i64>,
+    max_tokens: usize,
+}
+
+impl Request {
+    /// The decoder positions it takes: its forced start and every token it wants (the last one
+    /// generated is not fed back).
+    fn target_len(&self) -> usize {
+        self.forced.len() + self.max_tokens - 1
+    }
+
+    /// The blocks of one layer's pool its decoder positions take.
+    fn blocks(&self) -> usize {
+        self.target_len().div_ceil(BLOCK_SIZE)
+    }
+}
+
+/// A deterministic stream of requests: sources of 16–320 tokens, forced starts of 1–8 tokens,
+/// 16–128 tokens wanted.
+fn requests() -> Vec<Request> {
+    let mut numbers = Numbers::new(0x9e37_79b9_7f4a_7c15);
+    let mut next = |below: usize| numbers.below(below as u64) as usize;
+    (0..REQUESTS)
+        .map(|i| {
+            let source_len = 16 + next(305);
+            let source = (0..source_len).map(|_| next(VOCAB) as i64).collect();
+            let forced_len = next(8);
+            let forced = std::iter::once(START)
+                .chain((0..forced_len).map(|_| next(VOCAB) as i64))
+                .collect();
+            Request {
+                arrival: Duration::from_millis(i as u64 * ARRIVAL_INTERVAL_MS),
+                source,
+                forced,
+                max_tokens: 16 + next(113),
+            }
+        })
+        .collect()
+}
+
+/// A shared embedding, a (bidirectional) encoder, a causal decoder, and a head to the
+/// vocabulary.
+struct Model {
+    embedding: Embedding,
+    encoder: TransformerEncoder,
+    decoder: TransformerDecoder,
+    head: Linear,
+}
+
+impl Model {
+    fn new(device: &Device) -> Self {
+        Self {
+            embedding: EmbeddingConfig::new(VOCAB, D_MODEL).init(device),
+            encoder: TransformerEncoderConfig::new(D_MODEL, 4 * D_MODEL, HEADS, LAYERS)
+                .with_n_kv_heads(Some(KV_HEADS))
+                .with_rope(Some(RopeConfig::new()))
+                .with_norm_first(true)
+                .with_dropout(0.0)
+                .init(device),
+            decoder: TransformerDecoderConfig::new(D_MODEL, 4 * D_MODEL, HEADS, LAYERS)
+                .with_n_kv_heads(Some(KV_HEADS))
+                .with_rope(Some(RopeConfig::new()))
+                .with_norm_first(true)
+                .with_dropout(0.0)
+                .init(device),
+            head: LinearConfig::new(D_MODEL, VOCAB).init(device),
+        }
+    }
+
+    /// `tokens` embedded, `[1, tokens, d_model]`.
+    fn embed(&self, tokens: &[i64], device: &Device) -> Tensor<3> {
+        embed(&self.embedding, tokens, device)
+    }
+
+    /// The encoder's output for `source` alone, `[1, source, d_model]`.
+    fn encode(&self, source: &[i64], device: &Device) -> Tensor<3> {
+        self.encoder
+            .forward(TransformerEncoderInput::new(self.embed(source, device)))
+    }
+
+    /// Greedy next tokens of one paged step: `tokens[i]` belongs to `sequences[i]`; one token
+    /// per run of rows (its last row's).
+    fn step_paged(
+        &self,
+        tokens: &[i64],
+        sequences: &[SequenceId],
+        cache: &mut PagedTransformerDecoderCache,
+        device: &Device,
+    ) -> Vec<Choice> {
+        let x = self.embed(tokens, device).reshape([tokens.len(), D_MODEL]);
+        let hidden = self
+            .decoder
+            .forward_paged(x, cache, sequences)
+            .expect("admission reserves every block a request takes");
+        let last_rows = last_rows(sequences);
+        let count = last_rows.len();
+        let rows = Tensor::<1, Int>::from_data(TensorData::new(last_rows, [count]), device);
+        greedy(self.head.forward(hidden.select(0, rows)))
+    }
+
+    /// The greedy next token after `tokens` fed to `cache`, over `memory`.
+    fn step_cached(
+        &self,
+        tokens: &[i64],
+        memory: &Tensor<3>,
+        cache: &mut TransformerDecoderCache,
+        device: &Device,
+    ) -> Choice {
+        let input = TransformerDecoderInput::new(self.embed(tokens, device), memory.clone());
+        let hidden = self
+            .decoder
+            .forward_cached(input, cache)
+            .expect("the decoder's own caches take every step");
+        let last = hidden.narrow(1, tokens.len() - 1, 1).reshape([1, D_MODEL]);
+        greedy(self.head.forward(last))[0]
+    }
+}
+
+/// A request in the batch: its sequence in the cache, and whether its forced start is fed.
+struct Running {
+    request: usize,
+    id: SequenceId,
+    started: bool,
+}
+
+/// What admission did: the most requests in flight at once, the most blocks they reserved, how
+/// many steps ran while an arrived request waited for blocks, the most requests that joined in
+/// one step, and the time the encoder took over their sources.
+#[derive(Debug, Clone, Copy, Default)]
+struct Admission {
+    encoding: Duration,
+    most_in_flight: usize,
+    most_reserved: usize,
+    steps_with_a_request_waiting: usize,
+    most_joined_in_a_step: usize,
+}
+
+/// Continuous batching over a pool of `pool_blocks` blocks per layer: at every step the
+/// requests that arrived join, in order, while the blocks not reserved by the others hold
+/// theirs, at most `joins_per_step` of them (each joining request's source is encoded before
+/// the step, which the running requests then wait for); every running request feeds its next
+/// token and every joining one its forced start; a finished request leaves.
+struct ContinuousBatching<'a> {
+    model: &'a Model,
+    requests: &'a [Request],
+    device: &'a Device,
+    cache: PagedTransformerDecoderCache,
+    pool_blocks: usize,
+    joins_per_step: usize,
+    /// Arrived or not, in arrival order; the front joins first.
+    next_to_join: usize,
+    running: Vec<Running>,
+    tokens: Vec<Vec<i64>>,
+    margins: Vec<Vec<f32>>,
+    token_times: Vec<Vec<Duration>>,
+    started: Instant,
+    peak_cache: CacheBytes,
+    admission: Admission,
+}
+
+impl<'a> ContinuousBatching<'a> {
+    fn new(
+        model: &'a Model,
+        requests: &'a [Request],
+        settings: &Settings,
+        device: &'a Device,
+    ) -> Self {
+        let Settings {
+            pool_blocks,
+            joins_per_step,
+        } = *settings;
+        let config = PagedKvCacheConfig::new(pool_blocks).with_block_size(BLOCK_SIZE);
+        Self {
+            model,
+            requests,
+            device,
+            cache: model.decoder.new_paged_cache(config),
+            pool_blocks,
+            joins_per_step: joins_per_step.unwrap_or(usize::MAX),
+            next_to_join: 0,
+            running: Vec::new(),
+            tokens: vec![Vec::new(); requests.len()],
+            margins: vec![Vec::new(); requests.len()],
+            token_times: vec![Vec::new(); requests.len()],
+            started: Instant::now(),
+            peak_cache: CacheBytes::default(),
+            admission: Admission::default(),
+        }
+    }
+
+    fn serve(mut self) -> (Served, Admission) {
+        while self.next_to_join < self.requests.len() || !self.running.is_empty() {
+            self.admit();
+            if self.running.is_empty() {
+                let arrival = self.requests[self.next_to_join].arrival;
+                std::thread::sleep(arrival.saturating_sub(self.started.elapsed()));
+                continue;
+            }
+            self.step();
+        }
+        let served = Served {
+            tokens: self.tokens,
+            margins: self.margins,
+            wall: self.started.elapsed(),
+            token_times: self.token_times,
+            arrivals: self.requests.iter().map(|r| r.arrival).collect(),
+            peak_cache: self.peak_cache,
+        };
+        (served, self.admission)
+    }
+
+    /// The blocks the running requests reserved: each one's whole target.
+    fn reserved(&self) -> usize {
+        self.running
+            .iter()
+            .map(|run| self.requests[run.request].blocks())
+            .sum()
+    }
+
+    /// Adds the requests that had arrived when it is called, in order, while the unreserved
+    /// blocks hold theirs, at most `joins_per_step`; each one's source is encoded and projected
+    /// as it joins.
+    fn admit(&mut self) {
+        let mut joined = 0;
+        // Those that arrived by now: the ones arriving while these are encoded join at the
+        // next step, so that the running requests (and these) get their tokens first.
+        let now = self.started.elapsed();
+        while let Some(request) = self.requests.get(self.next_to_join) {
+            if request.arrival > now || joined == self.joins_per_step {
+                break;
+            }
+            if self.reserved() + request.blocks() > self.pool_blocks {
+                self.admission.steps_with_a_request_waiting += 1;
+                break;
+            }
+            let encoding = Instant::now();
+            let memory = self.model.encode(&request.source, self.device);
+            self.admission.encoding += encoding.elapsed();
+            let memory = memory.reshape([request.source.len(), D_MODEL]);
+            let id = self
+                .model
+                .decoder
+                .add_paged_sequence(&mut self.cache, memory);
+            self.running.push(Running {
+                request: self.next_to_join,
+                id,
+                started: false,
+            });
+            self.next_to_join += 1;
+            joined += 1;
+        }
+        let (in_flight, reserved) = (self.running.len(), self.reserved());
+        let admission = &mut self.admission;
+        admission.most_in_flight = admission.most_in_flight.max(in_flight);
+        admission.most_reserved = admission.most_reserved.max(reserved);
+        admission.most_joined_in_a_step = admission.most_joined_in_a_step.max(joined);
+    }
+
+    /// One step: a joining request's forced start, every other's last token; a token for each,
+    /// and a finished request leaves.
+    fn step(&mut self) {
+        let (mut tokens, mut sequences) = (Vec::new(), Vec::new());
+        for run in &self.running {
+            let rows = if run.started {
+                vec![*self.tokens[run.request].last().expect("a first token")]
+            } else {
+                self.requests[run.request].forced.clone()
+            };
+            sequences.extend(std::iter::repeat_n(run.id, rows.len()));
+            tokens.extend(rows);
+        }
+        let next = self
+            .model
+            .step_paged(&tokens, &sequences, &mut self.cache, self.device);
+        let now = self.started.elapsed();
+        self.peak_cache = self.peak_cache.peak(self.cache_bytes());
+        for (run, choice) in self.running.iter_mut().zip(next) {
+            run.started = true;
+            self.tokens[run.request].push(choice.token);
+            self.margins[run.request].push(choice.margin);
+            self.token_times[run.request].push(now);
+        }
+        let (cache, tokens, requests) = (&mut self.cache, &self.tokens, self.requests);
+        self.running.retain(|run| {
+            let done = tokens[run.request].len() == requests[run.request].max_tokens;
+            if done {
+                cache.remove_sequence(run.id).expect("a running sequence");
+            }
+            !done
+        });
+    }
+
+    /// The cache's bytes now: the pools' blocks in use and allocated, and the projected sources
+    /// (allocated as stored).
+    fn cache_bytes(&self) -> CacheBytes {
+        let sources: usize = self
+            .running
+            .iter()
+            .map(|run| self.cache.memory_len(run.id).expect("a running sequence"))
+            .sum();
+        let projected = sources * LAYERS * POSITION_BYTES;
+        let pools = self.cache.self_attention();
+        CacheBytes {
+            stored: pools.bytes_in_use() + projected,
+            allocated: pools.reserved_bytes() + projected,
+        }
+    }
+}
+
+/// One request at a time, in arrival order, each with its own `TransformerDecoderCache`; and
+/// the time the encoder took over the sources.
+fn serve_one_at_a_time(model: &Model, requests: &[Request], device: &Device) -> (Served, Duration) {
+    let mut encoding = Duration::ZERO;
+    let (mut tokens, mut margins, mut token_times) = (Vec::new(), Vec::new(), Vec::new());
+    let mut peak_cache = CacheBytes::default();
+    let started = Instant::now();
+    for request in requests {
+        std::thread::sleep(request.arrival.saturating_sub(started.elapsed()));
+        let encoding_started = Instant::now();
+        let memory = model.encode(&request.source, device);
+        encoding += encoding_started.elapsed();
+        let mut cache = model.decoder.new_cache();
+        let mut generated = vec![model.step_cached(&request.forced, &memory, &mut cache, device)];
+        let mut times = vec![started.elapsed()];
+        while generated.len() < request.max_tokens {
+            let last = generated.last().expect("a first token").token;
+            generated.push(model.step_cached(&[last], &memory, &mut cache, device));
+            times.push(started.elapsed());
+        }
+        let own = |bytes: fn(&mha::KvCache) -> usize| -> usize {
+            cache.self_attention.iter().map(bytes).sum()
+        };
+        let projected = request.source.len() * LAYERS * POSITION_BYTES;
+        peak_cache = peak_cache.peak(CacheBytes {
+            stored: own(|layer| layer.stored()) * POSITION_BYTES + projected,
+            allocated: own(|layer| layer.bytes()) + projected,
+        });
+        tokens.push(generated.iter().map(|choice| choice.token).collect());
+        margins.push(generated.iter().map(|choice| choice.margin).collect());
+        token_times.push(times);
+    }
+    let served = Served {
+        tokens,
+        margins,
+        wall: started.elapsed(),
+        token_times,
+        arrivals: requests.iter().map(|request| request.arrival).collect(),
+        peak_cache,
+    };
+    (served, encoding)
+}
+
+/// What the command line asks for beside the device.
+#[derive(Debug, Clone, Copy)]
+struct Settings {
+    pool_blocks: usize,
+    /// The most requests that join in a step, if bounded.
+    joins_per_step: Option<usize>,
+}
+
+/// Reads `--pool-blocks N` (at least the blocks of the longest request, which must fit alone)
+/// and `--joins-per-step N`; a bad value exits with the usage.
+fn settings(options: &ProgramOptions, requests: &[Request]) -> Settings {
+    let number = |flag: &str, least: usize, what: &str| options.number(flag, least, what);
+    let longest = requests
+        .iter()
+        .map(Request::blocks)
+        .max()
+        .expect("requests");
+    Settings {
+        pool_blocks: number(
+            "--pool-blocks",
+            longest,
+            &format!("a number of blocks that holds the longest request (at least {longest})"),
+        )
+        .unwrap_or(POOL_BLOCKS),
+        joins_per_step: number("--joins-per-step", 1, "a number of requests (at least 1)"),
+    }
+}
+
+fn main() {
+    let (name, device, options) = device_and_options(
+        "serve_encoder_decoder",
+        &[("--pool-blocks", "N"), ("--joins-per-step", "N")],
+    );
+    let requests = requests();
+    let settings = settings(&options, &requests);
+    let pool_blocks = settings.pool_blocks;
+    device.seed(7);
+    let model = Model::new(&device);
+    let wanted: usize = requests.iter().map(|r| r.max_tokens).sum();
+    let sources: usize = requests.iter().map(|r| r.source.len()).sum();
+    println!(
+        "{REQUESTS} requests on {name}, one every {ARRIVAL_INTERVAL_MS} ms: sources of 16-320 \
+         tokens ({sources} in all), forced starts of 1-8 tokens, {wanted} tokens wanted in all; \
+         a {LAYERS}-layer encoder and a {LAYERS}-layer decoder, d_model {D_MODEL}, 8 query / 2 \
+         key-value heads, greedy decoding\n"
+    );
+    // A short warm-up, so that neither way pays for first-use costs (allocator, threads).
+    serve_one_at_a_time(&model, &requests[..1], &device);
+    let (batched, admission) =
+        ContinuousBatching::new(&model, &requests, &settings, &device).serve();
+    let (alone, encoding_alone) = serve_one_at_a_time(&model, &requests, &device);
+    println!("{TABLE_HEADER}");
+    report(
+        &format!(
+            "continuous batching (paged, {pool_blocks} blocks of {BLOCK_SIZE} per layer, each \
+             source projected once{})",
+            settings
+                .joins_per_step
+                .map_or(String::new(), |joins| format!(
+                    ", at most {joins} joining a step"
+                ))
+        ),
+        &batched,
+    );
+    report("one at a time (TransformerDecoderCache)", &alone);
+    let Admission {
+        encoding,
+        most_in_flight,
+        most_reserved,
+        steps_with_a_request_waiting,
+        most_joined_in_a_step,
+    } = admission;
+    println!(
+        "\ncontinuous batching held at most {most_in_flight} requests at once, reserving at most \
+         {most_reserved} of {pool_blocks} blocks; a request waited for blocks in \
+         {steps_with_a_request_waiting} steps; the most requests to join in a step: \
+         {most_joined_in_a_step}"
+    );
+    println!(
+        "the encoder took {:.2} s of continuous batching's wall time and {:.2} s of one at a \
+         time's",
+        encoding.as_secs_f64(),
+        encoding_alone.as_secs_f64()
+    );
+    check_same_tokens(&batched, &alone);
+}

@@ -1,0 +1,270 @@
+//! What the serving examples (`serve`, `serve_encoder_decoder`) share: a deterministic stream
+//! of numbers for their requests, greedy choices with the margin that tells a near tie, what
+//! serving a stream one way measured and its table row, and the check that two ways gave every
+//! request the same tokens.
+
+use std::time::Duration;
+
+use burn::nn::Embedding;
+use burn::tensor::{Device, Int, Tensor, TensorData};
+
+/// A deterministic stream of numbers (a 64-bit linear congruential generator's high bits): the
+/// same requests at every run, on every machine.
+pub struct Numbers {
+    state: u64,
+}
+
+impl Numbers {
+    /// The stream from `seed`.
+    pub fn new(seed: u64) -> Self {
+        Self { state: seed }
+    }
+
+    /// The next number, below `bound`.
+    ///
+    /// # Panics
+    ///
+    /// If `bound` is 0.
+    pub fn below(&mut self, bound: u64) -> u64 {
+        assert!(bound > 0, "Numbers::below: `bound` must be at least 1");
+        self.state = self
+            .state
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1);
+        (self.state >> 33) % bound
+    }
+}
+
+/// A greedy choice: the token of the largest logit, and how far that logit lies above the
+/// runner-up's (two ways that compute the same logits to within rounding may choose apart only
+/// where this margin is about as small as the rounding).
+#[derive(Debug, Clone, Copy)]
+pub struct Choice {
+    /// The token chosen.
+    pub token: i64,
+    /// Its logit less the runner-up's.
+    pub margin: f32,
+}
+
+/// Each row's greedy choice of `logits` (`[rows, vocab]`).
+///
+/// # Panics
+///
+/// If the logits are not f32.
+pub fn greedy(logits: Tensor<2>) -> Vec<Choice> {
+    let [_, vocab] = logits.dims();
+    let logits = logits.into_data().try_to_vec::<f32>().expect("f32 logits");
+    logits
+        .chunks_exact(vocab)
+        .map(|row| {
+            let (mut best, mut second) = ((0, f32::NEG_INFINITY), f32::NEG_INFINITY);
+            for (token, &logit) in row.iter().enumerate() {
+                if logit > best.1 {
+                    second = best.1;
+                    best = (token, logit);
+                } else if logit > second {
+                    second = logit;
+                }
+            }
+            Choice {
+                token: best.0 as i64,
+                margin: best.1 - second,
+            }
+        })
+        .collect()
+}
+
+/// `tokens` as one sequence through `embedding`: `[1, tokens, d_model]`.
+pub fn embed(embedding: &Embedding, tokens: &[i64], device: &Device) -> Tensor<3> {
+    let tokens =
+        Tensor::<2, Int>::from_data(TensorData::new(tokens.to_vec(), [1, tokens.len()]), device);
+    embedding.forward(tokens)
+}
+
+/// The index of the last row of each run of equal ids in `sequences` (a paged step's rows, each
+/// sequence's consecutive): the rows whose outputs give the sequences' next tokens.
+pub fn last_rows<T: PartialEq>(sequences: &[T]) -> Vec<i64> {
+    (0..sequences.len())
+        .filter(|&row| row + 1 == sequences.len() || sequences[row + 1] != sequences[row])
+        .map(|row| row as i64)
+        .collect()
+}
+
+/// A margin between the two largest logits below which two ways that compute the same logits
+/// to within rounding may choose apart.
+pub const NEAR_TIE: f32 = 1e-3;
+
+/// A cache's memory at its peak: what the sequences in flight store, and what the cache had
+/// allocated then.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CacheBytes {
+    /// Bytes the sequences in flight store.
+    pub stored: usize,
+    /// Bytes the caches had allocated.
+    pub allocated: usize,
+}
+
+impl CacheBytes {
+    /// The larger of `self` and `now` by the bytes stored.
+    pub fn peak(self, now: CacheBytes) -> CacheBytes {
+        if now.stored > self.stored { now } else { self }
+    }
+}
+
+/// What serving a stream of requests one way measured.
+pub struct Served {
+    /// Each request's tokens.
+    pub tokens: Vec<Vec<i64>>,
+    /// Each token's [`Choice::margin`].
+    pub margins: Vec<Vec<f32>>,
+    /// The whole stream's time.
+    pub wall: Duration,
+    /// When each token came out, from the start of serving.
+    pub token_times: Vec<Vec<Duration>>,
+    /// When each request arrived, likewise.
+    pub arrivals: Vec<Duration>,
+    /// The caches' memory at its peak.
+    pub peak_cache: CacheBytes,
+}
+
+impl Served {
+    /// Each request's time to its first token, ms.
+    fn first_token_ms(&self) -> Vec<f64> {
+        self.token_times
+            .iter()
+            .zip(&self.arrivals)
+            .map(|(times, &arrival)| (times[0] - arrival).as_secs_f64() * 1e3)
+            .collect()
+    }
+
+    /// The time between each two tokens of a request that follow each other, ms, every
+    /// request's.
+    fn between_tokens_ms(&self) -> Vec<f64> {
+        self.token_times
+            .iter()
+            .flat_map(|times| {
+                times
+                    .windows(2)
+                    .map(|pair| (pair[1] - pair[0]).as_secs_f64() * 1e3)
+            })
+            .collect()
+    }
+
+    /// Each request's tokens and their margins.
+    fn runs(&self) -> impl Iterator<Item = (&[i64], &[f32])> {
+        self.tokens
+            .iter()
+            .zip(&self.margins)
+            .map(|(tokens, margins)| (tokens.as_slice(), margins.as_slice()))
+    }
+}
+
+/// The mean, median, 99th percentile and largest of `values`.
+fn summary(mut values: Vec<f64>) -> [f64; 4] {
+    values.sort_by(f64::total_cmp);
+    let mean = values.iter().sum::<f64>() / values.len() as f64;
+    let at = |fraction: f64| values[((values.len() - 1) as f64 * fraction).round() as usize];
+    [mean, at(0.5), at(0.99), at(1.0)]
+}
+
+/// The header of the table [`report`] writes rows of.
+pub const TABLE_HEADER: &str = "| way | tokens/s | wall s | time to first token, ms (mean / median / max) | time between tokens, ms (median / p99 / max) | peak cache memory: stored / allocated |\n|---|---|---|---|---|---|";
+
+/// Prints `served`'s row of the table ([`TABLE_HEADER`]), named `way`.
+pub fn report(way: &str, served: &Served) {
+    let generated: usize = served.tokens.iter().map(Vec::len).sum();
+    let [first_mean, first_median, _, first_max] = summary(served.first_token_ms());
+    let [_, between_median, between_p99, between_max] = summary(served.between_tokens_ms());
+    let mib = |bytes: usize| bytes as f64 / (1 << 20) as f64;
+    println!(
+        "| {way} | {:.0} | {:.2} | {first_mean:.0} / {first_median:.0} / {first_max:.0} | \
+         {between_median:.2} / {between_p99:.2} / {between_max:.2} | {:.2} MiB / {:.2} MiB |",
+        generated as f64 / served.wall.as_secs_f64(),
+        served.wall.as_secs_f64(),
+        mib(served.peak_cache.stored),
+        mib(served.peak_cache.allocated)
+    );
+}
+
+/// Prints how many requests got the same tokens from `batched` and `alone`, and exits with
+/// status 1, naming the requests and where their tokens part, if one did but at a near tie.
+pub fn check_same_tokens(batched: &Served, alone: &Served) {
+    // The two ways compute the same logits to within float rounding (about 1e-5 here), so a
+    // greedy choice may differ only where its two largest logits are about that close; anywhere
+    // else a difference is a bug.
+    let (mut ties, mut parted) = (Vec::new(), Vec::new());
+    for (request, (batched_run, alone_run)) in batched.runs().zip(alone.runs()).enumerate() {
+        let (batched_tokens, batched_margins) = batched_run;
+        let (alone_tokens, alone_margins) = alone_run;
+        let differs = batched_tokens
+            .iter()
+            .zip(alone_tokens)
+            .position(|(a, b)| a != b)
+            .or((batched_tokens.len() != alone_tokens.len())
+                .then(|| batched_tokens.len().min(alone_tokens.len())));
+        let Some(at) = differs else { continue };
+        let margin = |margins: &[f32]| margins.get(at).copied().unwrap_or(f32::INFINITY);
+        let margin = margin(batched_margins).min(margin(alone_margins));
+        let line = format!("request {request} from token {at} (margin {margin:.1e})");
+        if margin < NEAR_TIE {
+            ties.push(line);
+        } else {
+            parted.push(line);
+        }
+    }
+    let requests = batched.tokens.len();
+    let same = requests - ties.len() - parted.len();
+    println!("{same} of {requests} requests got the same tokens both ways");
+    if !ties.is_empty() {
+        println!(
+            "parted at a near tie (two largest logits within {NEAR_TIE:.0e}): {}",
+            ties.join(", ")
+        );
+    }
+    if !parted.is_empty() {
+        eprintln!(
+            "error: the two ways gave different tokens: {}",
+            parted.join(", ")
+        );
+        std::process::exit(1);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn last_rows_are_each_runs_last() {
+        assert_eq!(last_rows(&[3, 3, 5, 7, 7, 7]), vec![1, 2, 5]);
+        assert_eq!(last_rows::<u8>(&[]), Vec::<i64>::new());
+    }
+
+    #[test]
+    fn greedy_takes_each_rows_largest_logit_and_its_margin() {
+        let logits = Tensor::<2>::from_floats([[1.0, 3.0, 2.0], [5.0, 4.0, 4.5]], &Device::flex());
+        let choices = greedy(logits);
+        assert_eq!(choices.iter().map(|c| c.token).collect::<Vec<_>>(), [1, 0]);
+        assert_eq!(
+            choices.iter().map(|c| c.margin).collect::<Vec<_>>(),
+            [1.0, 0.5]
+        );
+    }
+
+    #[test]
+    fn summary_gives_mean_median_p99_and_max() {
+        let values: Vec<f64> = (1..=101).map(f64::from).collect();
+        assert_eq!(summary(values), [51.0, 51.0, 100.0, 101.0]);
+    }
+
+    #[test]
+    fn numbers_repeat_from_a_seed_and_stay_below_the_bound() {
+        let draw = |seed| {
+            let mut numbers = Numbers::new(seed);
+            (0..100).map(|_| numbers.below(7)).collect::<Vec<_>>()
+        };
+        assert_eq!(draw(1), draw(1));
+        assert_ne!(draw(1), draw(2));
+        assert!(draw(1).iter().all(|&n| n < 7));
+    }
+}

@@ -1,0 +1,159 @@
+//! The `serve_encoder_decoder` example end to end on flex: continuous batching through a
+//! `PagedTransformerDecoderCache` and one request at a time with a `TransformerDecoderCache`
+//! give every request the same tokens, but at a near tie of its two largest logits (the example
+//! exits 1 otherwise), with the default pool and with one too small for the stream, whose
+//! requests then wait for blocks, and with one request joining a step; each way reports its peak
+//! cache memory, stored within allocated; bad options are refused.
+
+mod common;
+
+use std::process::Command;
+use std::time::Duration;
+
+use common::{example_binary, output_within};
+
+/// Far more than the example takes (about a second); a run that loops fails here.
+const EXAMPLE_LIMIT: Duration = Duration::from_secs(300);
+
+/// What a run of the example reported.
+#[derive(Debug)]
+struct Report {
+    /// Continuous batching's peak cache memory, stored and allocated, in MiB.
+    batched_peak_mib: (f64, f64),
+    /// The most requests continuous batching held at once.
+    most_in_flight: usize,
+    /// The most blocks they reserved, of the pool's.
+    most_reserved: usize,
+    /// Steps that ran while a request that had arrived waited for blocks.
+    steps_with_a_request_waiting: usize,
+    /// The most requests that joined in one step.
+    most_joined_in_a_step: usize,
+}
+
+/// The numbers of `line` in order.
+fn numbers(line: &str) -> Vec<usize> {
+    line.split(|c: char| !c.is_ascii_digit())
+        .filter(|part| !part.is_empty())
+        .map(|part| part.parse().unwrap())
+        .collect()
+}
+
+/// The example's output with `args`, checked: every request the same tokens both ways, or
+/// parted at a near tie (the example fails otherwise), and each way's peak cache memory stored
+/// within allocated.
+fn served(args: &[&str]) -> Report {
+    let run = output_within(
+        Command::new(example_binary("serve_encoder_decoder")).args(args),
+        EXAMPLE_LIMIT,
+    );
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    assert!(
+        run.status.success(),
+        "{args:?}: {stdout}\n{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    assert!(
+        stdout.contains("32 of 32 requests got the same tokens both ways")
+            || stdout.contains("parted at a near tie"),
+        "{stdout}"
+    );
+    let [batched_peak_mib, _] = ["| continuous batching", "| one at a time"].map(|way| {
+        let row = stdout
+            .lines()
+            .find(|line| line.starts_with(way))
+            .unwrap_or_else(|| panic!("no row {way}: {stdout}"));
+        let cell = row.trim_end_matches(" |").rsplit(" | ").next().unwrap();
+        let mib: Vec<f64> = cell
+            .split(" / ")
+            .map(|part| part.trim_end_matches(" MiB").parse().unwrap())
+            .collect();
+        assert!(0.0 < mib[0] && mib[0] <= mib[1], "{row}");
+        (mib[0], mib[1])
+    });
+    let admission = stdout
+        .lines()
+        .find_map(|line| line.strip_prefix("continuous batching held at most "))
+        .unwrap_or_else(|| panic!("no line on admission: {stdout}"));
+    let admission = numbers(admission);
+    Report {
+        batched_peak_mib,
+        most_in_flight: admission[0],
+        most_reserved: admission[1],
+        steps_with_a_request_waiting: admission[3],
+        most_joined_in_a_step: admission[4],
+    }
+}
+
+#[test]
+fn continuous_batching_serves_every_request_the_tokens_of_serving_it_alone() {
+    let report = served(&["--device", "flex"]);
+    // Requests arrive every 2 ms and each decodes at least 16 tokens after its source's
+    // encoding: many overlap on any machine that serves a step in much more than 100 µs (every
+    // CPU so far: about 2 ms with the batch full). The default pool holds them all.
+    assert!(report.most_in_flight >= 4, "{report:?}");
+    assert_eq!(report.steps_with_a_request_waiting, 0, "{report:?}");
+    assert!(report.most_reserved <= 512, "{report:?}");
+    // While the first sources are encoded (milliseconds each), more requests arrive, and all
+    // join at the next step.
+    assert!(report.most_joined_in_a_step > 1, "{report:?}");
+    // One joining a step: the others keep decoding while the queue's sources are encoded one
+    // a step.
+    let one_a_step = served(&["--device", "flex", "--joins-per-step", "1"]);
+    assert_eq!(one_a_step.most_joined_in_a_step, 1, "{one_a_step:?}");
+    assert!(one_a_step.most_in_flight >= 4, "{one_a_step:?}");
+}
+
+#[test]
+fn a_pool_too_small_for_the_stream_makes_requests_wait_for_blocks() {
+    // 24 blocks per layer hold a few requests' reservations (2 to 9 blocks each) at once.
+    let report = served(&["--device", "flex", "--pool-blocks", "24"]);
+    assert!(report.most_reserved <= 24, "{report:?}");
+    assert!(report.steps_with_a_request_waiting > 0, "{report:?}");
+    assert!((2..32).contains(&report.most_in_flight), "{report:?}");
+    // The pool's bound, 24 blocks of 16 positions of two key/value heads of 32 f32 values, keys
+    // and values, in each of the two layers, beside the sources of the requests in flight as
+    // every layer projected them (at most 320 positions each).
+    let position_bytes = 2 * 32 * 4 * 2;
+    let bound_bytes =
+        24 * 16 * position_bytes * 2 + report.most_in_flight * 320 * position_bytes * 2;
+    let (stored, allocated) = report.batched_peak_mib;
+    assert!(
+        allocated <= bound_bytes as f64 / (1 << 20) as f64,
+        "{stored} / {allocated} MiB"
+    );
+}
+
+#[test]
+fn bad_options_are_refused_with_the_usage() {
+    for (args, error) in [
+        (
+            ["--pool-blocks", "8"],
+            "`--pool-blocks` takes a number of blocks that holds the longest request (at least \
+             9), not `8`",
+        ),
+        (
+            ["--pool-blocks", "many"],
+            "`--pool-blocks` takes a number of blocks that holds the longest request (at least \
+             9), not `many`",
+        ),
+        (
+            ["--joins-per-step", "0"],
+            "`--joins-per-step` takes a number of requests (at least 1), not `0`",
+        ),
+    ] {
+        let run = output_within(
+            Command::new(example_binary("serve_encoder_decoder")).args(args),
+            EXAMPLE_LIMIT,
+        );
+        let stderr = String::from_utf8_lossy(&run.stderr);
+        assert_eq!(run.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(
+            stderr.contains(error)
+                && stderr.contains(
+                    "usage: serve_encoder_decoder [--device flex|ndarray|wgpu] [--pool-blocks N] \
+                     [--joins-per-step N]"
+                ),
+            "{stderr}"
+        );
+    }
+}
