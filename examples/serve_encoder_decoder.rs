@@ -38,7 +38,7 @@
 use std::time::{Duration, Instant};
 
 use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig};
-use burn::tensor::{Device, Int, Tensor, TensorData};
+use burn::tensor::{Device, Tensor};
 use burn_mha::serving::{
     CacheBytes, Choice, Numbers, Served, TABLE_HEADER, check_same_tokens, embed, greedy, last_rows,
     report,
@@ -169,10 +169,7 @@ impl Model {
             .decoder
             .forward_paged(x, cache, sequences)
             .expect("admission reserves every block a request takes");
-        let last_rows = last_rows(sequences);
-        let count = last_rows.len();
-        let rows = Tensor::<1, Int>::from_data(TensorData::new(last_rows, [count]), device);
-        greedy(self.head.forward(hidden.select(0, rows)))
+        greedy(self.head.forward(last_rows(hidden, sequences)))
     }
 
     /// The greedy next token after `tokens` fed to `cache`, over `memory`.

@@ -81,9 +81,18 @@ pub fn embed(embedding: &Embedding, tokens: &[i64], device: &Device) -> Tensor<3
     embedding.forward(tokens)
 }
 
-/// The index of the last row of each run of equal ids in `sequences` (a paged step's rows, each
-/// sequence's consecutive): the rows whose outputs give the sequences' next tokens.
-pub fn last_rows<T: PartialEq>(sequences: &[T]) -> Vec<i64> {
+/// The rows of a paged step's `output` (`[rows, d_model]`, row `i` of `sequences[i]`, each
+/// sequence's rows consecutive) that give the sequences' next tokens: each run's last,
+/// `[runs, d_model]`.
+pub fn last_rows<T: PartialEq>(output: Tensor<2>, sequences: &[T]) -> Tensor<2> {
+    let rows = last_row_indices(sequences);
+    let count = rows.len();
+    let rows = Tensor::<1, Int>::from_data(TensorData::new(rows, [count]), &output.device());
+    output.select(0, rows)
+}
+
+/// The index of the last row of each run of equal ids in `sequences`.
+fn last_row_indices<T: PartialEq>(sequences: &[T]) -> Vec<i64> {
     (0..sequences.len())
         .filter(|&row| row + 1 == sequences.len() || sequences[row + 1] != sequences[row])
         .map(|row| row as i64)
@@ -236,8 +245,14 @@ mod tests {
 
     #[test]
     fn last_rows_are_each_runs_last() {
-        assert_eq!(last_rows(&[3, 3, 5, 7, 7, 7]), vec![1, 2, 5]);
-        assert_eq!(last_rows::<u8>(&[]), Vec::<i64>::new());
+        assert_eq!(last_row_indices(&[3, 3, 5, 7, 7, 7]), vec![1, 2, 5]);
+        assert_eq!(last_row_indices::<u8>(&[]), Vec::<i64>::new());
+        let output = Tensor::<2>::from_floats([[0.0], [1.0], [2.0], [3.0]], &Device::flex());
+        let last = last_rows(output, &['a', 'b', 'b', 'c']);
+        assert_eq!(
+            last.into_data().try_to_vec::<f32>().unwrap(),
+            [0.0, 2.0, 3.0]
+        );
     }
 
     #[test]
