@@ -21,9 +21,18 @@
 //! `N` join a step, which shortens the longest waits between the running requests' tokens and
 //! lengthens the joining requests' wait for their first.
 //!
-//! Both ways decode greedily, so each request must get the same tokens either way, unless its
-//! two largest logits were within rounding of each other (a near tie, reported); the example
-//! exits with status 1, naming the requests, if one does not. It prints tokens per second, time
+//! With `--beams N` each request runs a beam search of `N` beams instead of greedy decoding
+//! (Whisper's and translation's way): continuous batching feeds every beam's last token in the
+//! step, a beam kept twice is forked (`PagedTransformerDecoderCache::fork`: its blocks and
+//! projected source shared, a block copied when a beam first writes into a shared one) and a
+//! beam not kept is removed; one at a time runs the beams as a batch, its caches keeping the
+//! survivors (`select_batch`, which copies them). A request reserves blocks for each of its
+//! beams, and returns its best beam.
+//!
+//! Both ways choose the same way, so each request must get the same tokens either way, unless
+//! two of its candidates were within rounding of each other (a near tie, reported: greedy's two
+//! largest logits, or a beam kept against one left out); the example exits with status 1,
+//! naming the requests, if one does not. It prints tokens per second, time
 //! to first token (its source's encoding included), time between tokens and peak cache memory
 //! for each way: the bytes the requests in flight store (their decoder positions, each
 //! sequence's last block whole, and every layer's projection of their sources) and what the
@@ -33,15 +42,17 @@
 //! cargo run --release --example serve_encoder_decoder -- --device flex   # or ndarray; wgpu with `--features wgpu`
 //! cargo run --release --example serve_encoder_decoder -- --pool-blocks 64
 //! cargo run --release --example serve_encoder_decoder -- --joins-per-step 1
+//! cargo run --release --example serve_encoder_decoder -- --beams 4
 //! ```
 
 use std::time::{Duration, Instant};
 
 use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig};
+use burn::tensor::activation::log_softmax;
 use burn::tensor::{Device, Tensor};
 use burn_mha::serving::{
-    CacheBytes, Choice, Numbers, Served, TABLE_HEADER, check_same_tokens, embed, greedy, last_rows,
-    report,
+    Beam, CacheBytes, Numbers, Served, TABLE_HEADER, best_continuations, check_same_tokens, embed,
+    last_rows, report,
 };
 use burn_mha::{ProgramOptions, device_and_options};
 use mha::transformer::{
@@ -155,45 +166,113 @@ impl Model {
             .forward(TransformerEncoderInput::new(self.embed(source, device)))
     }
 
-    /// Greedy next tokens of one paged step: `tokens[i]` belongs to `sequences[i]`; one token
-    /// per run of rows (its last row's).
+    /// Next-token log-probabilities of one paged step, `[runs, vocab]` row by row:
+    /// `tokens[i]` belongs to `sequences[i]`; one row per run of rows (its last row's).
     fn step_paged(
         &self,
         tokens: &[i64],
         sequences: &[SequenceId],
         cache: &mut PagedTransformerDecoderCache,
         device: &Device,
-    ) -> Vec<Choice> {
+    ) -> Vec<f32> {
         let x = self.embed(tokens, device).reshape([tokens.len(), D_MODEL]);
         let hidden = self
             .decoder
             .forward_paged(x, cache, sequences)
             .expect("admission reserves every block a request takes");
-        greedy(self.head.forward(last_rows(hidden, sequences)))
+        log_probs(self.head.forward(last_rows(hidden, sequences)))
     }
 
-    /// The greedy next token after `tokens` fed to `cache`, over `memory`.
+    /// Next-token log-probabilities after `tokens` (`[batch, new]`, row by row) fed to
+    /// `cache` over `memory`, `[batch, vocab]` row by row.
     fn step_cached(
         &self,
         tokens: &[i64],
+        batch: usize,
         memory: &Tensor<3>,
         cache: &mut TransformerDecoderCache,
         device: &Device,
-    ) -> Choice {
-        let input = TransformerDecoderInput::new(self.embed(tokens, device), memory.clone());
+    ) -> Vec<f32> {
+        let new = tokens.len() / batch;
+        let x = self.embed(tokens, device).reshape([batch, new, D_MODEL]);
+        let input = TransformerDecoderInput::new(x, memory.clone());
         let hidden = self
             .decoder
             .forward_cached(input, cache)
             .expect("the decoder's own caches take every step");
-        let last = hidden.narrow(1, tokens.len() - 1, 1).reshape([1, D_MODEL]);
-        greedy(self.head.forward(last))[0]
+        let last = hidden.narrow(1, new - 1, 1).reshape([batch, D_MODEL]);
+        log_probs(self.head.forward(last))
     }
 }
 
-/// A request in the batch: its sequence in the cache, and whether its forced start is fed.
+/// `logits`' log-softmax over the vocabulary, row by row.
+fn log_probs(logits: Tensor<2>) -> Vec<f32> {
+    log_softmax(logits, 1)
+        .into_data()
+        .try_to_vec::<f32>()
+        .expect("f32 logits")
+}
+
+/// A request's beam search as it goes: its beams, best first, and the margins its steps kept
+/// them by.
+struct Search {
+    width: usize,
+    beams: Vec<Beam>,
+    /// Each step's [`Survivors::margin`](burn_mha::serving::Survivors::margin).
+    margins: Vec<f32>,
+}
+
+impl Search {
+    fn new(width: usize) -> Self {
+        Self {
+            width,
+            beams: vec![Beam::start()],
+            margins: Vec::new(),
+        }
+    }
+
+    /// Every beam's next token from its row of `log_probs`; returns each survivor's parent.
+    fn step(&mut self, log_probs: &[f32]) -> Vec<usize> {
+        let survivors = best_continuations(&self.beams, log_probs, self.width);
+        self.beams = survivors.beams;
+        self.margins.push(survivors.margin);
+        survivors.parents
+    }
+
+    /// Tokens generated so far by each beam.
+    fn generated(&self) -> usize {
+        self.beams[0].tokens.len()
+    }
+
+    /// The best beam's tokens, and the margin at each: with one beam each step's (greedy
+    /// decoding: a token parts only where its own step was a near tie); with more, the
+    /// smallest of every step's and of the best beam's lead over the next (a near tie at any
+    /// step may change the best beam's tokens anywhere).
+    fn result(self) -> (Vec<i64>, Vec<f32>) {
+        let Self {
+            width,
+            mut beams,
+            margins,
+        } = self;
+        let best = beams.swap_remove(0);
+        if width == 1 {
+            return (best.tokens, margins);
+        }
+        let lead = beams
+            .first()
+            .map_or(f32::INFINITY, |next| best.score - next.score);
+        let smallest = margins.iter().copied().fold(lead, f32::min);
+        let len = best.tokens.len();
+        (best.tokens, vec![smallest; len])
+    }
+}
+
+/// A request in the batch: its search, and the sequence of each of its beams in the cache (one
+/// until its forced start is fed).
 struct Running {
     request: usize,
-    id: SequenceId,
+    search: Search,
+    ids: Vec<SequenceId>,
     started: bool,
 }
 
@@ -209,18 +288,27 @@ struct Admission {
     most_joined_in_a_step: usize,
 }
 
+/// The pool at its fullest: the blocks per layer its sequences took, and the blocks they would
+/// have taken if beams shared none (each sequence its own blocks for all its positions).
+#[derive(Debug, Clone, Copy, Default)]
+struct FullestPool {
+    blocks_in_use: usize,
+    unshared: usize,
+}
+
 /// Continuous batching over a pool of `pool_blocks` blocks per layer: at every step the
 /// requests that arrived join, in order, while the blocks not reserved by the others hold
-/// theirs, at most `joins_per_step` of them (each joining request's source is encoded before
-/// the step, which the running requests then wait for); every running request feeds its next
-/// token and every joining one its forced start; a finished request leaves.
+/// theirs (every beam's whole target), at most `joins_per_step` of them (each joining
+/// request's source is encoded before the step, which the running requests then wait for);
+/// every running request's beams feed their last tokens and every joining request its forced
+/// start; a beam kept twice is forked (its blocks and source shared), a beam not kept leaves,
+/// and a finished request leaves.
 struct ContinuousBatching<'a> {
     model: &'a Model,
     requests: &'a [Request],
     device: &'a Device,
     cache: PagedTransformerDecoderCache,
-    pool_blocks: usize,
-    joins_per_step: usize,
+    settings: Settings,
     /// Arrived or not, in arrival order; the front joins first.
     next_to_join: usize,
     running: Vec<Running>,
@@ -230,27 +318,23 @@ struct ContinuousBatching<'a> {
     started: Instant,
     peak_cache: CacheBytes,
     admission: Admission,
+    fullest_pool: FullestPool,
 }
 
 impl<'a> ContinuousBatching<'a> {
     fn new(
         model: &'a Model,
         requests: &'a [Request],
-        settings: &Settings,
+        settings: Settings,
         device: &'a Device,
     ) -> Self {
-        let Settings {
-            pool_blocks,
-            joins_per_step,
-        } = *settings;
-        let config = PagedKvCacheConfig::new(pool_blocks).with_block_size(BLOCK_SIZE);
+        let config = PagedKvCacheConfig::new(settings.pool_blocks).with_block_size(BLOCK_SIZE);
         Self {
             model,
             requests,
             device,
             cache: model.decoder.new_paged_cache(config),
-            pool_blocks,
-            joins_per_step: joins_per_step.unwrap_or(usize::MAX),
+            settings,
             next_to_join: 0,
             running: Vec::new(),
             tokens: vec![Vec::new(); requests.len()],
@@ -259,10 +343,11 @@ impl<'a> ContinuousBatching<'a> {
             started: Instant::now(),
             peak_cache: CacheBytes::default(),
             admission: Admission::default(),
+            fullest_pool: FullestPool::default(),
         }
     }
 
-    fn serve(mut self) -> (Served, Admission) {
+    fn serve(mut self) -> (Served, Admission, FullestPool) {
         while self.next_to_join < self.requests.len() || !self.running.is_empty() {
             self.admit();
             if self.running.is_empty() {
@@ -280,14 +365,19 @@ impl<'a> ContinuousBatching<'a> {
             arrivals: self.requests.iter().map(|r| r.arrival).collect(),
             peak_cache: self.peak_cache,
         };
-        (served, self.admission)
+        (served, self.admission, self.fullest_pool)
     }
 
-    /// The blocks the running requests reserved: each one's whole target.
+    /// The blocks a request reserves: each of its beams' whole target.
+    fn reservation(&self, request: &Request) -> usize {
+        request.blocks() * self.settings.beams
+    }
+
+    /// The blocks the running requests reserved.
     fn reserved(&self) -> usize {
         self.running
             .iter()
-            .map(|run| self.requests[run.request].blocks())
+            .map(|run| self.reservation(&self.requests[run.request]))
             .sum()
     }
 
@@ -296,14 +386,15 @@ impl<'a> ContinuousBatching<'a> {
     /// as it joins.
     fn admit(&mut self) {
         let mut joined = 0;
+        let joins_per_step = self.settings.joins_per_step.unwrap_or(usize::MAX);
         // Those that arrived by now: the ones arriving while these are encoded join at the
         // next step, so that the running requests (and these) get their tokens first.
         let now = self.started.elapsed();
         while let Some(request) = self.requests.get(self.next_to_join) {
-            if request.arrival > now || joined == self.joins_per_step {
+            if request.arrival > now || joined == joins_per_step {
                 break;
             }
-            if self.reserved() + request.blocks() > self.pool_blocks {
+            if self.reserved() + self.reservation(request) > self.settings.pool_blocks {
                 self.admission.steps_with_a_request_waiting += 1;
                 break;
             }
@@ -317,7 +408,8 @@ impl<'a> ContinuousBatching<'a> {
                 .add_paged_sequence(&mut self.cache, memory);
             self.running.push(Running {
                 request: self.next_to_join,
-                id,
+                search: Search::new(self.settings.beams),
+                ids: vec![id],
                 started: false,
             });
             self.next_to_join += 1;
@@ -330,47 +422,85 @@ impl<'a> ContinuousBatching<'a> {
         admission.most_joined_in_a_step = admission.most_joined_in_a_step.max(joined);
     }
 
-    /// One step: a joining request's forced start, every other's last token; a token for each,
-    /// and a finished request leaves.
+    /// One step: a joining request's forced start, every other's beams' last tokens; a token
+    /// for each beam, and a finished request leaves.
     fn step(&mut self) {
         let (mut tokens, mut sequences) = (Vec::new(), Vec::new());
         for run in &self.running {
-            let rows = if run.started {
-                vec![*self.tokens[run.request].last().expect("a first token")]
+            if run.started {
+                for (beam, &id) in run.search.beams.iter().zip(&run.ids) {
+                    tokens.push(*beam.tokens.last().expect("a first token"));
+                    sequences.push(id);
+                }
             } else {
-                self.requests[run.request].forced.clone()
-            };
-            sequences.extend(std::iter::repeat_n(run.id, rows.len()));
-            tokens.extend(rows);
+                let forced = &self.requests[run.request].forced;
+                tokens.extend(forced);
+                sequences.extend(std::iter::repeat_n(run.ids[0], forced.len()));
+            }
         }
-        let next = self
+        let log_probs = self
             .model
             .step_paged(&tokens, &sequences, &mut self.cache, self.device);
         let now = self.started.elapsed();
         self.peak_cache = self.peak_cache.peak(self.cache_bytes());
-        for (run, choice) in self.running.iter_mut().zip(next) {
+        self.note_the_pools_fill();
+        let mut rows = log_probs.chunks_exact(VOCAB);
+        for run in &mut self.running {
+            let beams = run.ids.len();
+            let own: Vec<f32> = rows.by_ref().take(beams).flatten().copied().collect();
+            let parents = run.search.step(&own);
+            run.ids = continue_beams(&mut self.cache, &run.ids, &parents);
             run.started = true;
-            self.tokens[run.request].push(choice.token);
-            self.margins[run.request].push(choice.margin);
             self.token_times[run.request].push(now);
         }
-        let (cache, tokens, requests) = (&mut self.cache, &self.tokens, self.requests);
-        self.running.retain(|run| {
-            let done = tokens[run.request].len() == requests[run.request].max_tokens;
+        let (cache, requests) = (&mut self.cache, self.requests);
+        let (tokens, margins) = (&mut self.tokens, &mut self.margins);
+        self.running.retain_mut(|run| {
+            let done = run.search.generated() == requests[run.request].max_tokens;
             if done {
-                cache.remove_sequence(run.id).expect("a running sequence");
+                for &id in &run.ids {
+                    cache.remove_sequence(id).expect("a running sequence");
+                }
+                let search = std::mem::replace(&mut run.search, Search::new(1));
+                (tokens[run.request], margins[run.request]) = search.result();
             }
             !done
         });
     }
 
-    /// The cache's bytes now: the pools' blocks in use and allocated, and the projected sources
-    /// (allocated as stored).
+    /// Keeps the pool's fill and what it would be without shared blocks, if it is the fullest
+    /// so far.
+    fn note_the_pools_fill(&mut self) {
+        let blocks_in_use = self.cache.self_attention().blocks_in_use();
+        if blocks_in_use > self.fullest_pool.blocks_in_use {
+            let unshared = self
+                .running
+                .iter()
+                .flat_map(|run| &run.ids)
+                .map(|&id| {
+                    let len = self.cache.len(id).expect("a running sequence");
+                    len.div_ceil(BLOCK_SIZE)
+                })
+                .sum();
+            self.fullest_pool = FullestPool {
+                blocks_in_use,
+                unshared,
+            };
+        }
+    }
+
+    /// The cache's bytes now: the pools' blocks in use and allocated (a block that beams share
+    /// counted once), and the projected sources (each request's once, shared by its beams;
+    /// allocated as stored).
     fn cache_bytes(&self) -> CacheBytes {
         let sources: usize = self
             .running
             .iter()
-            .map(|run| self.cache.memory_len(run.id).expect("a running sequence"))
+            .map(|run| {
+                self.cache
+                    .memory_len(run.ids[0])
+                    .expect("a running sequence")
+            })
             .sum();
         let projected = sources * LAYERS * POSITION_BYTES;
         let pools = self.cache.self_attention();
@@ -381,9 +511,40 @@ impl<'a> ContinuousBatching<'a> {
     }
 }
 
-/// One request at a time, in arrival order, each with its own `TransformerDecoderCache`; and
-/// the time the encoder took over the sources.
-fn serve_one_at_a_time(model: &Model, requests: &[Request], device: &Device) -> (Served, Duration) {
+/// The sequences of a step's survivors, `parents[i]` the index in `ids` of the beam survivor
+/// `i` continues: a parent's first survivor takes its sequence, each other is a fork of it (its
+/// blocks and source shared until it writes), and a beam no survivor continues leaves.
+fn continue_beams(
+    cache: &mut PagedTransformerDecoderCache,
+    ids: &[SequenceId],
+    parents: &[usize],
+) -> Vec<SequenceId> {
+    let mut taken = vec![false; ids.len()];
+    let survivors = parents
+        .iter()
+        .map(|&parent| {
+            if std::mem::replace(&mut taken[parent], true) {
+                cache.fork(ids[parent]).expect("a running sequence")
+            } else {
+                ids[parent]
+            }
+        })
+        .collect();
+    for (&id, _) in ids.iter().zip(&taken).filter(|(_, taken)| !**taken) {
+        cache.remove_sequence(id).expect("a running sequence");
+    }
+    survivors
+}
+
+/// One request at a time, in arrival order, each with its own `TransformerDecoderCache` (its
+/// beams a batch, the survivors kept after each step with `select_batch`); and the time the
+/// encoder took over the sources.
+fn serve_one_at_a_time(
+    model: &Model,
+    requests: &[Request],
+    beams: usize,
+    device: &Device,
+) -> (Served, Duration) {
     let mut encoding = Duration::ZERO;
     let (mut tokens, mut margins, mut token_times) = (Vec::new(), Vec::new(), Vec::new());
     let mut peak_cache = CacheBytes::default();
@@ -394,23 +555,39 @@ fn serve_one_at_a_time(model: &Model, requests: &[Request], device: &Device) -> 
         let memory = model.encode(&request.source, device);
         encoding += encoding_started.elapsed();
         let mut cache = model.decoder.new_cache();
-        let mut generated = vec![model.step_cached(&request.forced, &memory, &mut cache, device)];
-        let mut times = vec![started.elapsed()];
-        while generated.len() < request.max_tokens {
-            let last = generated.last().expect("a first token").token;
-            generated.push(model.step_cached(&[last], &memory, &mut cache, device));
+        let mut search = Search::new(beams);
+        let mut times = Vec::new();
+        let mut log_probs = model.step_cached(&request.forced, 1, &memory, &mut cache, device);
+        loop {
+            let parents = search.step(&log_probs);
             times.push(started.elapsed());
+            if search.generated() == request.max_tokens {
+                break;
+            }
+            // Each survivor continues its parent's caches (the forced start's, repeated, at
+            // first); a step that kept every beam in place copies nothing.
+            if !parents.iter().copied().eq(0..parents.len()) {
+                cache.select_batch(&parents);
+            }
+            let last: Vec<i64> = search
+                .beams
+                .iter()
+                .map(|beam| *beam.tokens.last().expect("a token"))
+                .collect();
+            log_probs = model.step_cached(&last, last.len(), &memory, &mut cache, device);
         }
         let own = |bytes: fn(&mha::KvCache) -> usize| -> usize {
             cache.self_attention.iter().map(bytes).sum()
         };
-        let projected = request.source.len() * LAYERS * POSITION_BYTES;
+        // Every beam holds its own positions and its own copy of the projected source.
+        let projected = request.source.len() * LAYERS * POSITION_BYTES * beams;
         peak_cache = peak_cache.peak(CacheBytes {
-            stored: own(|layer| layer.stored()) * POSITION_BYTES + projected,
+            stored: own(|layer| layer.stored()) * POSITION_BYTES * beams + projected,
             allocated: own(|layer| layer.bytes()) + projected,
         });
-        tokens.push(generated.iter().map(|choice| choice.token).collect());
-        margins.push(generated.iter().map(|choice| choice.margin).collect());
+        let (generated, margin) = search.result();
+        tokens.push(generated);
+        margins.push(margin);
         token_times.push(times);
     }
     let served = Served {
@@ -430,17 +607,29 @@ struct Settings {
     pool_blocks: usize,
     /// The most requests that join in a step, if bounded.
     joins_per_step: Option<usize>,
+    /// Beams of each request's search (1: greedy decoding).
+    beams: usize,
 }
 
-/// Reads `--pool-blocks N` (at least the blocks of the longest request, which must fit alone)
-/// and `--joins-per-step N`; a bad value exits with the usage.
+/// The most beams `--beams` takes.
+const MOST_BEAMS: usize = 16;
+
+/// Reads `--beams N`, `--pool-blocks N` (at least the blocks of the longest request's beams,
+/// which must fit alone) and `--joins-per-step N`; a bad value exits with the usage.
 fn settings(options: &ProgramOptions, requests: &[Request]) -> Settings {
     let number = |flag: &str, least: usize, what: &str| options.number(flag, least, what);
-    let longest = requests
-        .iter()
-        .map(Request::blocks)
-        .max()
-        .expect("requests");
+    let beams = number("--beams", 1, "a number of beams (1 to 16)").unwrap_or(1);
+    if beams > MOST_BEAMS {
+        options.fail(&format!(
+            "`--beams` takes a number of beams (1 to {MOST_BEAMS}), not `{beams}`"
+        ));
+    }
+    let longest = beams
+        * requests
+            .iter()
+            .map(Request::blocks)
+            .max()
+            .expect("requests");
     Settings {
         pool_blocks: number(
             "--pool-blocks",
@@ -449,46 +638,62 @@ fn settings(options: &ProgramOptions, requests: &[Request]) -> Settings {
         )
         .unwrap_or(POOL_BLOCKS),
         joins_per_step: number("--joins-per-step", 1, "a number of requests (at least 1)"),
+        beams,
     }
 }
 
 fn main() {
     let (name, device, options) = device_and_options(
         "serve_encoder_decoder",
-        &[("--pool-blocks", "N"), ("--joins-per-step", "N")],
+        &[
+            ("--beams", "N"),
+            ("--pool-blocks", "N"),
+            ("--joins-per-step", "N"),
+        ],
     );
     let requests = requests();
     let settings = settings(&options, &requests);
-    let pool_blocks = settings.pool_blocks;
+    let Settings {
+        pool_blocks,
+        joins_per_step,
+        beams,
+    } = settings;
     device.seed(7);
     let model = Model::new(&device);
     let wanted: usize = requests.iter().map(|r| r.max_tokens).sum();
     let sources: usize = requests.iter().map(|r| r.source.len()).sum();
+    let decoding = match beams {
+        1 => "greedy decoding".to_string(),
+        beams => format!("beam search of {beams} beams"),
+    };
     println!(
         "{REQUESTS} requests on {name}, one every {ARRIVAL_INTERVAL_MS} ms: sources of 16-320 \
          tokens ({sources} in all), forced starts of 1-8 tokens, {wanted} tokens wanted in all; \
          a {LAYERS}-layer encoder and a {LAYERS}-layer decoder, d_model {D_MODEL}, 8 query / 2 \
-         key-value heads, greedy decoding\n"
+         key-value heads, {decoding}\n"
     );
     // A short warm-up, so that neither way pays for first-use costs (allocator, threads).
-    serve_one_at_a_time(&model, &requests[..1], &device);
-    let (batched, admission) =
-        ContinuousBatching::new(&model, &requests, &settings, &device).serve();
-    let (alone, encoding_alone) = serve_one_at_a_time(&model, &requests, &device);
+    serve_one_at_a_time(&model, &requests[..1], beams, &device);
+    let (batched, admission, fullest_pool) =
+        ContinuousBatching::new(&model, &requests, settings, &device).serve();
+    let (alone, encoding_alone) = serve_one_at_a_time(&model, &requests, beams, &device);
     println!("{TABLE_HEADER}");
+    let joins = joins_per_step.map_or(String::new(), |joins| {
+        format!(", at most {joins} joining a step")
+    });
+    let forks = if beams > 1 { ", beams forked" } else { "" };
     report(
         &format!(
             "continuous batching (paged, {pool_blocks} blocks of {BLOCK_SIZE} per layer, each \
-             source projected once{})",
-            settings
-                .joins_per_step
-                .map_or(String::new(), |joins| format!(
-                    ", at most {joins} joining a step"
-                ))
+             source projected once{forks}{joins})"
         ),
         &batched,
     );
-    report("one at a time (TransformerDecoderCache)", &alone);
+    let batch = if beams > 1 { ", beams a batch" } else { "" };
+    report(
+        &format!("one at a time (TransformerDecoderCache{batch})"),
+        &alone,
+    );
     let Admission {
         encoding,
         most_in_flight,
@@ -501,6 +706,11 @@ fn main() {
          {most_reserved} of {pool_blocks} blocks; a request waited for blocks in \
          {steps_with_a_request_waiting} steps; the most requests to join in a step: \
          {most_joined_in_a_step}"
+    );
+    println!(
+        "at its fullest the pool held {} blocks per layer, where sequences sharing no blocks would \
+         hold {}",
+        fullest_pool.blocks_in_use, fullest_pool.unshared
     );
     println!(
         "the encoder took {:.2} s of continuous batching's wall time and {:.2} s of one at a \

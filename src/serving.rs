@@ -99,6 +99,81 @@ fn last_row_indices<T: PartialEq>(sequences: &[T]) -> Vec<i64> {
         .collect()
 }
 
+/// One hypothesis of a beam search: its tokens so far and the sum of their log-probabilities.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Beam {
+    /// The tokens it generated.
+    pub tokens: Vec<i64>,
+    /// Their log-probabilities, summed.
+    pub score: f32,
+}
+
+impl Beam {
+    /// A search's one beam before its first token.
+    pub fn start() -> Self {
+        Self {
+            tokens: Vec::new(),
+            score: 0.0,
+        }
+    }
+}
+
+/// The beams that survive a step of beam search, best first.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Survivors {
+    /// Each survivor's parent: its index among the beams the step continued.
+    pub parents: Vec<usize>,
+    /// The survivors, each its parent's tokens and one more.
+    pub beams: Vec<Beam>,
+    /// The last survivor's score less the best score left out (infinite when none was): two
+    /// ways that compute the same log-probabilities to within rounding may keep different beams
+    /// only where this is about as small as the rounding. With one beam, greedy decoding's
+    /// margin between the two largest logits.
+    pub margin: f32,
+}
+
+/// One step of beam search: the `width` best continuations of `beams` by the sum of their
+/// log-probabilities, `log_probs` holding each beam's next-token log-probabilities (`[beams,
+/// vocab]`, row by row). Of equal scores, the earlier beam's, then the lower token, goes first.
+///
+/// # Panics
+///
+/// If `width` is 0, `beams` is empty, or `log_probs` is not a whole row per beam.
+pub fn best_continuations(beams: &[Beam], log_probs: &[f32], width: usize) -> Survivors {
+    assert!(width > 0, "best_continuations: `width` must be at least 1");
+    assert!(
+        !beams.is_empty() && log_probs.len().is_multiple_of(beams.len()),
+        "best_continuations: `log_probs` holds {} values, not a row per beam of {}",
+        log_probs.len(),
+        beams.len()
+    );
+    let vocab = log_probs.len() / beams.len();
+    let mut candidates: Vec<(usize, usize, f32)> = log_probs
+        .iter()
+        .enumerate()
+        .map(|(i, &log_prob)| (i / vocab, i % vocab, beams[i / vocab].score + log_prob))
+        .collect();
+    // A stable sort: equal scores keep the beam-then-token order.
+    candidates.sort_by(|a, b| b.2.total_cmp(&a.2));
+    let kept = width.min(candidates.len());
+    let margin = candidates.get(kept).map_or(f32::INFINITY, |left_out| {
+        candidates[kept - 1].2 - left_out.2
+    });
+    let (parents, beams) = candidates[..kept]
+        .iter()
+        .map(|&(parent, token, score)| {
+            let mut tokens = beams[parent].tokens.clone();
+            tokens.push(token as i64);
+            (parent, Beam { tokens, score })
+        })
+        .unzip();
+    Survivors {
+        parents,
+        beams,
+        margin,
+    }
+}
+
 /// A margin between the two largest logits below which two ways that compute the same logits
 /// to within rounding may choose apart.
 pub const NEAR_TIE: f32 = 1e-3;
@@ -263,6 +338,46 @@ mod tests {
         assert_eq!(
             choices.iter().map(|c| c.margin).collect::<Vec<_>>(),
             [1.0, 0.5]
+        );
+    }
+
+    #[test]
+    fn beam_steps_keep_the_best_continuations_of_every_beam() {
+        let first = best_continuations(&[Beam::start()], &[-1.0, -0.5, -3.0], 2);
+        assert_eq!(first.parents, [0, 0]);
+        assert_eq!(
+            first.beams,
+            [
+                Beam {
+                    tokens: vec![1],
+                    score: -0.5
+                },
+                Beam {
+                    tokens: vec![0],
+                    score: -1.0
+                }
+            ]
+        );
+        assert_eq!(first.margin, 2.0);
+        // Beam 1's best continuation (-1.0 - 0.25) beats beam 0's best (-0.5 - 1.0); three
+        // continuations tie at -1.5 (beam 0's tokens 0 and 2, beam 1's token 0): the earlier
+        // beam's go first, lower token first, and the one left out ties the last kept.
+        let log_probs = [-1.0, -2.0, -1.0, -0.5, -0.25, -3.0];
+        let second = best_continuations(&first.beams, &log_probs, 3);
+        assert_eq!(second.parents, [1, 0, 0]);
+        let tokens: Vec<_> = second.beams.iter().map(|b| b.tokens.clone()).collect();
+        assert_eq!(tokens, [vec![0, 1], vec![1, 0], vec![1, 2]]);
+        assert_eq!(second.margin, 0.0);
+        // One beam is greedy decoding: the largest logit's token, its margin over the next.
+        let greedy = best_continuations(&[Beam::start()], &[-2.0, -0.5, -1.25], 1);
+        assert_eq!(
+            (greedy.beams[0].tokens.clone(), greedy.margin),
+            (vec![1], 0.75)
+        );
+        // All kept: nothing left out.
+        assert_eq!(
+            best_continuations(&[Beam::start()], &[-1.0], 2).margin,
+            f32::INFINITY
         );
     }
 

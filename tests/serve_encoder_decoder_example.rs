@@ -2,8 +2,9 @@
 //! `PagedTransformerDecoderCache` and one request at a time with a `TransformerDecoderCache`
 //! give every request the same tokens, but at a near tie of its two largest logits (the example
 //! exits 1 otherwise), with the default pool and with one too small for the stream, whose
-//! requests then wait for blocks, and with one request joining a step; each way reports its peak
-//! cache memory, stored within allocated; bad options are refused.
+//! requests then wait for blocks, with one request joining a step, and with beam search (beams
+//! forked in the pool, sharing blocks); each way reports its peak cache memory, stored within
+//! allocated; bad options are refused.
 
 mod common;
 
@@ -28,6 +29,9 @@ struct Report {
     steps_with_a_request_waiting: usize,
     /// The most requests that joined in one step.
     most_joined_in_a_step: usize,
+    /// The pool's blocks per layer at its fullest, and what its sequences would have taken
+    /// then without shared blocks.
+    fullest_pool: (usize, usize),
 }
 
 /// The numbers of `line` in order.
@@ -75,7 +79,13 @@ fn served(args: &[&str]) -> Report {
         .find_map(|line| line.strip_prefix("continuous batching held at most "))
         .unwrap_or_else(|| panic!("no line on admission: {stdout}"));
     let admission = numbers(admission);
+    let fullest = stdout
+        .lines()
+        .find_map(|line| line.strip_prefix("at its fullest the pool held "))
+        .unwrap_or_else(|| panic!("no line on the pool's fill: {stdout}"));
+    let fullest = numbers(fullest);
     Report {
+        fullest_pool: (fullest[0], fullest[1]),
         batched_peak_mib,
         most_in_flight: admission[0],
         most_reserved: admission[1],
@@ -87,6 +97,8 @@ fn served(args: &[&str]) -> Report {
 #[test]
 fn continuous_batching_serves_every_request_the_tokens_of_serving_it_alone() {
     let report = served(&["--device", "flex"]);
+    // Greedy decoding forks nothing: every block is one sequence's.
+    assert_eq!(report.fullest_pool.0, report.fullest_pool.1, "{report:?}");
     // Requests arrive every 2 ms and each decodes at least 16 tokens after its source's
     // encoding: many overlap on any machine that serves a step in much more than 100 µs (every
     // CPU so far: about 2 ms with the batch full). The default pool holds them all.
@@ -101,6 +113,20 @@ fn continuous_batching_serves_every_request_the_tokens_of_serving_it_alone() {
     let one_a_step = served(&["--device", "flex", "--joins-per-step", "1"]);
     assert_eq!(one_a_step.most_joined_in_a_step, 1, "{one_a_step:?}");
     assert!(one_a_step.most_in_flight >= 4, "{one_a_step:?}");
+}
+
+#[test]
+fn beam_search_forks_beams_that_share_blocks_and_gives_each_request_its_best_beam() {
+    // Four beams a request: every request's best beam the same both ways (a batch of beams in
+    // a `TransformerDecoderCache`, kept by `select_batch`, against forks in the pool).
+    let report = served(&["--device", "flex", "--beams", "4"]);
+    // Each request reserves its four beams' blocks; the default pool still holds several.
+    assert!(report.most_reserved <= 512, "{report:?}");
+    assert!(report.most_in_flight >= 4, "{report:?}");
+    // Beams forked from one another share their blocks up to where they part (their forced
+    // start and common tokens): the pool holds fewer blocks than its sequences would alone.
+    let (in_use, unshared) = report.fullest_pool;
+    assert!(0 < in_use && in_use < unshared, "{report:?}");
 }
 
 #[test]
@@ -127,17 +153,30 @@ fn a_pool_too_small_for_the_stream_makes_requests_wait_for_blocks() {
 fn bad_options_are_refused_with_the_usage() {
     for (args, error) in [
         (
-            ["--pool-blocks", "8"],
+            &["--pool-blocks", "8"][..],
             "`--pool-blocks` takes a number of blocks that holds the longest request (at least \
              9), not `8`",
         ),
         (
-            ["--pool-blocks", "many"],
+            &["--pool-blocks", "many"][..],
             "`--pool-blocks` takes a number of blocks that holds the longest request (at least \
              9), not `many`",
         ),
         (
-            ["--joins-per-step", "0"],
+            &["--beams", "0"][..],
+            "`--beams` takes a number of beams (1 to 16), not `0`",
+        ),
+        (
+            &["--beams", "17"][..],
+            "`--beams` takes a number of beams (1 to 16), not `17`",
+        ),
+        (
+            &["--beams", "4", "--pool-blocks", "35"][..],
+            "`--pool-blocks` takes a number of blocks that holds the longest request (at least \
+             36), not `35`",
+        ),
+        (
+            &["--joins-per-step", "0"][..],
             "`--joins-per-step` takes a number of requests (at least 1), not `0`",
         ),
     ] {
@@ -150,8 +189,8 @@ fn bad_options_are_refused_with_the_usage() {
         assert!(
             stderr.contains(error)
                 && stderr.contains(
-                    "usage: serve_encoder_decoder [--device flex|ndarray|wgpu] [--pool-blocks N] \
-                     [--joins-per-step N]"
+                    "usage: serve_encoder_decoder [--device flex|ndarray|wgpu] [--beams N] \
+                     [--pool-blocks N] [--joins-per-step N]"
                 ),
             "{stderr}"
         );
