@@ -39,8 +39,8 @@ use std::time::{Duration, Instant};
 use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig};
 use burn::tensor::{Device, Tensor};
 use burn_mha::serving::{
-    CacheBytes, Choice, Numbers, Served, TABLE_HEADER, check_same_tokens, embed, greedy, last_rows,
-    report,
+    CacheBytes, Choice, Decision, Numbers, Served, TABLE_HEADER, check_same_tokens, embed, greedy,
+    last_rows, report,
 };
 use burn_mha::{ProgramOptions, device_and_options};
 use mha::transformer::{
@@ -220,7 +220,7 @@ struct ContinuousBatching<'a> {
     /// In the order they joined: the last is preempted first.
     running: Vec<Running>,
     tokens: Vec<Vec<i64>>,
-    margins: Vec<Vec<f32>>,
+    decisions: Vec<Vec<Decision>>,
     token_times: Vec<Vec<Duration>>,
     /// The positions each request held when it was last preempted (0: not preempted since it
     /// came back).
@@ -247,7 +247,7 @@ impl<'a> ContinuousBatching<'a> {
             waiting: (0..requests.len()).collect(),
             running: Vec::new(),
             tokens: vec![Vec::new(); requests.len()],
-            margins: vec![Vec::new(); requests.len()],
+            decisions: vec![Vec::new(); requests.len()],
             token_times: vec![Vec::new(); requests.len()],
             held_when_preempted: vec![0; requests.len()],
             started: Instant::now(),
@@ -271,7 +271,7 @@ impl<'a> ContinuousBatching<'a> {
         }
         let served = Served {
             tokens: self.tokens,
-            margins: self.margins,
+            decisions: self.decisions,
             wall: self.started.elapsed(),
             token_times: self.token_times,
             arrivals: self
@@ -409,7 +409,7 @@ impl<'a> ContinuousBatching<'a> {
                 continue;
             }
             self.tokens[run.request].push(choice.token);
-            self.margins[run.request].push(choice.margin);
+            self.decisions[run.request].push(choice.decision());
             self.token_times[run.request].push(now);
             // The token the next step feeds: once its block is whole, a request preempted
             // later finds it by its tokens.
@@ -436,7 +436,7 @@ fn full_prompt(request: &Request) -> Vec<i64> {
 /// One request at a time, in arrival order, each with its own `KvCache` per layer, its system
 /// prompt prefilled with its own prompt.
 fn serve_one_at_a_time(model: &Model, requests: &[Request], device: &Device) -> Served {
-    let (mut tokens, mut margins, mut token_times) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut tokens, mut decisions, mut token_times) = (Vec::new(), Vec::new(), Vec::new());
     let mut peak_cache = CacheBytes::default();
     let started = Instant::now();
     let system = system_prompt();
@@ -461,12 +461,12 @@ fn serve_one_at_a_time(model: &Model, requests: &[Request], device: &Device) -> 
             allocated: cache.layers.iter().map(|layer| layer.bytes()).sum(),
         });
         tokens.push(generated.iter().map(|choice| choice.token).collect());
-        margins.push(generated.iter().map(|choice| choice.margin).collect());
+        decisions.push(generated.iter().map(Choice::decision).collect());
         token_times.push(times);
     }
     Served {
         tokens,
-        margins,
+        decisions,
         wall: started.elapsed(),
         token_times,
         arrivals: requests.iter().map(|request| request.arrival).collect(),

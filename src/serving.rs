@@ -46,6 +46,29 @@ pub struct Choice {
     pub margin: f32,
 }
 
+impl Choice {
+    /// The decision it is: the token, by the margin.
+    pub fn decision(&self) -> Decision {
+        Decision {
+            chosen: self.token as u64,
+            margin: self.margin,
+        }
+    }
+}
+
+/// One decision of a request's decoding, as two ways that should decide alike are compared: a
+/// fingerprint of what was chosen (a greedy step's token, the set of beams a beam step kept)
+/// and the margin it was chosen by (the score of the last candidate chosen less the best one
+/// left out). Two ways that compute the same scores to within rounding may decide apart only
+/// where that margin is about as small as the rounding.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Decision {
+    /// What was chosen; equal for equal choices.
+    pub chosen: u64,
+    /// The score of the last candidate chosen less the best one's left out.
+    pub margin: f32,
+}
+
 /// Each row's greedy choice of `logits` (`[rows, vocab]`).
 ///
 /// # Panics
@@ -174,12 +197,13 @@ pub fn best_continuations(beams: &[Beam], log_probs: &[f32], width: usize) -> Su
     }
 }
 
-/// A margin between the two largest logits below which two ways that compute the same logits
-/// to within rounding may choose apart.
+/// A [`Decision::margin`] below which two ways that compute the same scores to within rounding
+/// may decide apart: two logits, or two beams' sums of up to a few hundred log-probabilities,
+/// each about 1e-5 apart between the two ways.
 pub const NEAR_TIE: f32 = 1e-3;
 
-/// A cache's memory at its peak: what the sequences in flight store, and what the cache had
-/// allocated then.
+/// A cache's memory when it stored the most: what the sequences in flight stored, and what the
+/// caches had allocated then (not necessarily the most they ever allocated).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct CacheBytes {
     /// Bytes the sequences in flight store.
@@ -199,8 +223,8 @@ impl CacheBytes {
 pub struct Served {
     /// Each request's tokens.
     pub tokens: Vec<Vec<i64>>,
-    /// Each token's [`Choice::margin`].
-    pub margins: Vec<Vec<f32>>,
+    /// Each request's decisions, in order ([`check_same_tokens`] compares them).
+    pub decisions: Vec<Vec<Decision>>,
     /// The whole stream's time.
     pub wall: Duration,
     /// When each token came out, from the start of serving.
@@ -234,12 +258,12 @@ impl Served {
             .collect()
     }
 
-    /// Each request's tokens and their margins.
-    fn runs(&self) -> impl Iterator<Item = (&[i64], &[f32])> {
+    /// Each request's tokens and decisions.
+    fn runs(&self) -> impl Iterator<Item = (&[i64], &[Decision])> {
         self.tokens
             .iter()
-            .zip(&self.margins)
-            .map(|(tokens, margins)| (tokens.as_slice(), margins.as_slice()))
+            .zip(&self.decisions)
+            .map(|(tokens, decisions)| (tokens.as_slice(), decisions.as_slice()))
     }
 }
 
@@ -252,7 +276,7 @@ fn summary(mut values: Vec<f64>) -> [f64; 4] {
 }
 
 /// The header of the table [`report`] writes rows of.
-pub const TABLE_HEADER: &str = "| way | tokens/s | wall s | time to first token, ms (mean / median / max) | time between tokens, ms (median / p99 / max) | peak cache memory: stored / allocated |\n|---|---|---|---|---|---|";
+pub const TABLE_HEADER: &str = "| way | tokens/s | wall s | time to first token, ms (mean / median / max) | time between tokens, ms (median / p99 / max) | cache memory when it stored the most: stored / allocated |\n|---|---|---|---|---|---|";
 
 /// Prints `served`'s row of the table ([`TABLE_HEADER`]), named `way`.
 pub fn report(way: &str, served: &Served) {
@@ -270,45 +294,88 @@ pub fn report(way: &str, served: &Served) {
     );
 }
 
-/// Prints how many requests got the same tokens from `batched` and `alone`, and exits with
-/// status 1, naming the requests and where their tokens part, if one did but at a near tie.
-pub fn check_same_tokens(batched: &Served, alone: &Served) {
-    // The two ways compute the same logits to within float rounding (about 1e-5 here), so a
-    // greedy choice may differ only where its two largest logits are about that close; anywhere
-    // else a difference is a bug.
-    let (mut ties, mut parted) = (Vec::new(), Vec::new());
-    for (request, (batched_run, alone_run)) in batched.runs().zip(alone.runs()).enumerate() {
-        let (batched_tokens, batched_margins) = batched_run;
-        let (alone_tokens, alone_margins) = alone_run;
-        let differs = batched_tokens
-            .iter()
-            .zip(alone_tokens)
-            .position(|(a, b)| a != b)
-            .or((batched_tokens.len() != alone_tokens.len())
-                .then(|| batched_tokens.len().min(alone_tokens.len())));
-        let Some(at) = differs else { continue };
-        let margin = |margins: &[f32]| margins.get(at).copied().unwrap_or(f32::INFINITY);
-        let margin = margin(batched_margins).min(margin(alone_margins));
-        let line = format!("request {request} from token {at} (margin {margin:.1e})");
-        if margin < NEAR_TIE {
-            ties.push(line);
-        } else {
-            parted.push(line);
-        }
+/// Where two ways of serving the same requests parted: each request whose tokens differ, with
+/// the first decision where the two ways differ and its margin (the smaller of the two ways').
+#[derive(Debug, Clone, PartialEq)]
+pub struct Parting {
+    /// The request, by its index.
+    pub request: usize,
+    /// The first decision that differs (past both ways' decisions if none does).
+    pub decision: usize,
+    /// Its margin; infinite where no decision differs.
+    pub margin: f32,
+}
+
+impl Parting {
+    /// Whether the decision was a near tie ([`NEAR_TIE`]), which rounding may decide apart.
+    pub fn at_a_near_tie(&self) -> bool {
+        self.margin < NEAR_TIE
     }
+}
+
+/// Each request whose tokens differ between `first` and `second`, where they part.
+pub fn partings(first: &Served, second: &Served) -> Vec<Parting> {
+    // The two ways compute the same scores to within float rounding, so their decisions may
+    // differ only where a decision's margin is about that small: the first decision that
+    // differs must be a near tie in one way or the other (all that follows it may differ
+    // anyway); anywhere else a difference is a bug.
+    first
+        .runs()
+        .zip(second.runs())
+        .enumerate()
+        .filter(|(_, ((first_tokens, _), (second_tokens, _)))| first_tokens != second_tokens)
+        .map(|(request, ((_, first_decisions), (_, second_decisions)))| {
+            let decision = first_decisions
+                .iter()
+                .zip(second_decisions)
+                .position(|(a, b)| a.chosen != b.chosen)
+                .unwrap_or(first_decisions.len().max(second_decisions.len()));
+            let margin_of = |decisions: &[Decision]| {
+                decisions
+                    .get(decision)
+                    .map_or(f32::INFINITY, |decided| decided.margin)
+            };
+            Parting {
+                request,
+                decision,
+                margin: margin_of(first_decisions).min(margin_of(second_decisions)),
+            }
+        })
+        .collect()
+}
+
+/// Prints how many requests got the same tokens from `batched` and `alone`, and exits with
+/// status 1, naming the requests and where their decisions part, if one parted but at a near
+/// tie ([`partings`]).
+pub fn check_same_tokens(batched: &Served, alone: &Served) {
+    let (ties, parted): (Vec<Parting>, Vec<Parting>) = partings(batched, alone)
+        .into_iter()
+        .partition(Parting::at_a_near_tie);
+    let describe = |partings: &[Parting]| {
+        partings
+            .iter()
+            .map(|parting| {
+                format!(
+                    "request {} from decision {} (margin {:.1e})",
+                    parting.request, parting.decision, parting.margin
+                )
+            })
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
     let requests = batched.tokens.len();
     let same = requests - ties.len() - parted.len();
     println!("{same} of {requests} requests got the same tokens both ways");
     if !ties.is_empty() {
         println!(
-            "parted at a near tie (two largest logits within {NEAR_TIE:.0e}): {}",
-            ties.join(", ")
+            "parted at a near tie (a margin within {NEAR_TIE:.0e}): {}",
+            describe(&ties)
         );
     }
     if !parted.is_empty() {
         eprintln!(
             "error: the two ways gave different tokens: {}",
-            parted.join(", ")
+            describe(&parted)
         );
         std::process::exit(1);
     }
@@ -379,6 +446,69 @@ mod tests {
             best_continuations(&[Beam::start()], &[-1.0], 2).margin,
             f32::INFINITY
         );
+    }
+
+    /// A stream served with `tokens`, each request's decisions choosing its tokens by
+    /// `margins`.
+    fn served_as(tokens: &[&[i64]], margins: &[&[f32]]) -> Served {
+        Served {
+            tokens: tokens.iter().map(|run| run.to_vec()).collect(),
+            decisions: tokens
+                .iter()
+                .zip(margins)
+                .map(|(run, margins)| {
+                    run.iter()
+                        .zip(*margins)
+                        .map(|(&token, &margin)| Decision {
+                            chosen: token as u64,
+                            margin,
+                        })
+                        .collect()
+                })
+                .collect(),
+            wall: Duration::ZERO,
+            token_times: Vec::new(),
+            arrivals: Vec::new(),
+            peak_cache: CacheBytes::default(),
+        }
+    }
+
+    #[test]
+    fn ways_part_only_where_a_decision_differs_and_by_its_margin() {
+        let first = served_as(
+            &[&[1, 2, 3], &[4, 5], &[6, 7]],
+            &[&[1.0; 3], &[1.0, 1e-4], &[1.0; 2]],
+        );
+        // Request 0 the same; request 1 parts at its second token, a near tie in the first
+        // way; request 2 parts at its first, by a wide margin in both.
+        let second = served_as(
+            &[&[1, 2, 3], &[4, 9], &[8, 7]],
+            &[&[1.0; 3], &[1.0, 0.5], &[2.0; 2]],
+        );
+        let parted = partings(&first, &second);
+        assert_eq!(
+            parted,
+            [
+                Parting {
+                    request: 1,
+                    decision: 1,
+                    margin: 1e-4
+                },
+                Parting {
+                    request: 2,
+                    decision: 0,
+                    margin: 1.0
+                }
+            ]
+        );
+        assert!(parted[0].at_a_near_tie() && !parted[1].at_a_near_tie());
+        // Tokens that differ where no decision does (a bug in what the tokens are made of)
+        // part by no margin at all.
+        let mut odd = served_as(&[&[1, 2, 3]], &[&[1e-6; 3]]);
+        odd.tokens[0][2] = 5;
+        let same_decisions = served_as(&[&[1, 2, 3]], &[&[1e-6; 3]]);
+        let parting = &partings(&odd, &same_decisions)[0];
+        assert_eq!((parting.decision, parting.margin), (3, f32::INFINITY));
     }
 
     #[test]
