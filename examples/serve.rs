@@ -21,6 +21,9 @@
 //! `N` prompt rows a step (vLLM's chunked prefill): a long prompt is prefilled over several
 //! steps beside the running requests' tokens, which then wait less between tokens.
 //!
+//! Requests arrive one every 2 ms, or every `N` ms with `--arrival-ms N`: with 0 all arrive at
+//! once, and the schedule (who joins, who is preempted when) is the same on every machine.
+//!
 //! With `--window N` every layer attends within a sliding window of `N` positions: the paged
 //! cache gives each sequence's blocks behind its window back to the pool after every step, and
 //! the `KvCache`s keep the window's positions only, so each request's cache stays bounded
@@ -31,6 +34,7 @@
 //! cargo run --release --example serve -- --window 64
 //! cargo run --release --example serve -- --pool-blocks 48
 //! cargo run --release --example serve -- --prefill-chunk 32
+//! cargo run --release --example serve -- --arrival-ms 0   # all at once
 //! ```
 
 use std::collections::VecDeque;
@@ -39,8 +43,8 @@ use std::time::{Duration, Instant};
 use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig};
 use burn::tensor::{Device, Tensor};
 use burn_mha::serving::{
-    CacheBytes, Choice, Decision, Numbers, Served, TABLE_HEADER, check_same_tokens, embed, greedy,
-    last_rows, report,
+    CacheBytes, Choice, Decision, Numbers, Served, TABLE_HEADER, arrival, check_same_tokens, embed,
+    greedy, last_rows, report,
 };
 use burn_mha::{ProgramOptions, device_and_options};
 use mha::transformer::{
@@ -57,7 +61,7 @@ const KV_HEADS: usize = 2;
 /// Bytes a layer's `KvCache` stores per position: an f32 key and value per key/value head.
 const POSITION_BYTES: usize = 2 * KV_HEADS * (D_MODEL / HEADS) * 4;
 const REQUESTS: usize = 32;
-/// A request arrives every this many milliseconds.
+/// A request arrives every this many milliseconds unless `--arrival-ms` says otherwise.
 const ARRIVAL_INTERVAL_MS: u64 = 2;
 const BLOCK_SIZE: usize = 16;
 /// The pool's bound per layer unless `--pool-blocks` says otherwise: 8192 positions.
@@ -88,7 +92,7 @@ fn requests() -> Vec<Request> {
         .map(|i| {
             let prompt_len = 16 + next(177) as usize;
             Request {
-                arrival: Duration::from_millis(i as u64 * ARRIVAL_INTERVAL_MS),
+                arrival: arrival(i, ARRIVAL_INTERVAL_MS).0,
                 prompt: (0..prompt_len).map(|_| next(VOCAB as u64) as i64).collect(),
                 output_len: 32 + next(129) as usize,
             }
@@ -480,6 +484,8 @@ struct Settings {
     pool_blocks: usize,
     /// The most prompt rows a step of continuous batching feeds, if bounded.
     prefill_chunk: Option<usize>,
+    /// Milliseconds between two requests' arrivals (0: all at once).
+    arrival_ms: u64,
 }
 
 /// Reads `--window N`, `--pool-blocks N` and `--prefill-chunk N`; a bad value exits with the
@@ -502,6 +508,8 @@ fn settings(options: &ProgramOptions, requests: &[Request]) -> Settings {
         )
         .unwrap_or(POOL_BLOCKS),
         prefill_chunk: number("--prefill-chunk", 1, "a number of rows (at least 1)"),
+        arrival_ms: number("--arrival-ms", 0, "a number of milliseconds")
+            .map_or(ARRIVAL_INTERVAL_MS, |ms| ms as u64),
     }
 }
 
@@ -512,10 +520,15 @@ fn main() {
             ("--window", "N"),
             ("--pool-blocks", "N"),
             ("--prefill-chunk", "N"),
+            ("--arrival-ms", "N"),
         ],
     );
-    let requests = requests();
+    let mut requests = requests();
     let settings = settings(&options, &requests);
+    let mut arriving = String::new();
+    for (index, request) in requests.iter_mut().enumerate() {
+        (request.arrival, arriving) = arrival(index, settings.arrival_ms);
+    }
     device.seed(7);
     let model = Model::new(settings.window, &device);
     let wanted: usize = requests.iter().map(|r| r.output_len).sum();
@@ -525,7 +538,7 @@ fn main() {
             format!("a sliding window of {window} positions")
         });
     println!(
-        "{REQUESTS} requests on {name}, one every {ARRIVAL_INTERVAL_MS} ms: a {SYSTEM_PROMPT}-token \
+        "{REQUESTS} requests on {name}, {arriving}: a {SYSTEM_PROMPT}-token \
          system prompt then 16-192 tokens of their own, {wanted} tokens wanted in all; a \
          {LAYERS}-layer causal Transformer, d_model {D_MODEL}, 8 query / 2 key-value heads, \
          each query attending to {attends}, greedy decoding\n"

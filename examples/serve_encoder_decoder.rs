@@ -16,7 +16,9 @@
 //! requests wait for others to finish instead. (`examples/serve.rs` shows the other way, vLLM's:
 //! joining without a reservation, and preempting a request when the pool runs out.)
 //!
-//! Every request that has arrived joins at the next step by default, its source encoded before
+//! Requests arrive one every 2 ms, or every `N` ms with `--arrival-ms N` (0: all at once, the
+//! schedule then the same on every machine). Every request that has arrived joins at the next
+//! step by default, its source encoded before
 //! the step: the running requests wait for those encodings. `--joins-per-step N` lets at most
 //! `N` join a step, which shortens the longest waits between the running requests' tokens and
 //! lengthens the joining requests' wait for their first.
@@ -55,7 +57,7 @@ use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig};
 use burn::tensor::activation::log_softmax;
 use burn::tensor::{Device, Tensor};
 use burn_mha::serving::{
-    Beam, CacheBytes, Decision, Numbers, Served, TABLE_HEADER, best_continuations,
+    Beam, CacheBytes, Decision, Numbers, Served, TABLE_HEADER, arrival, best_continuations,
     check_same_tokens, embed, last_rows, report,
 };
 use burn_mha::{ProgramOptions, device_and_options};
@@ -121,7 +123,7 @@ fn requests() -> Vec<Request> {
                 .chain((0..forced_len).map(|_| next(VOCAB) as i64))
                 .collect();
             Request {
-                arrival: Duration::from_millis(i as u64 * ARRIVAL_INTERVAL_MS),
+                arrival: arrival(i, ARRIVAL_INTERVAL_MS).0,
                 source,
                 forced,
                 max_tokens: 16 + next(113),
@@ -688,8 +690,9 @@ fn main() {
     );
     let mut requests = requests();
     let settings = settings(&options, &requests);
+    let mut arriving = String::new();
     for (index, request) in requests.iter_mut().enumerate() {
-        request.arrival = Duration::from_millis(index as u64 * settings.arrival_ms);
+        (request.arrival, arriving) = arrival(index, settings.arrival_ms);
     }
     device.seed(7);
     let model = Model::new(&device);
@@ -698,10 +701,6 @@ fn main() {
     let decoding = match settings.beams {
         1 => "greedy decoding".to_string(),
         beams => format!("beam search of {beams} beams"),
-    };
-    let arriving = match settings.arrival_ms {
-        0 => "all at once".to_string(),
-        interval => format!("one every {interval} ms"),
     };
     println!(
         "{REQUESTS} requests on {name}, {arriving}: sources of 16-320 tokens ({sources} in all), \

@@ -35,6 +35,16 @@ impl Numbers {
     }
 }
 
+/// Request `index`'s arrival when one arrives every `interval_ms` milliseconds (0: all at
+/// once), and that rule in words.
+pub fn arrival(index: usize, interval_ms: u64) -> (Duration, String) {
+    let words = match interval_ms {
+        0 => "all at once".to_string(),
+        interval => format!("one every {interval} ms"),
+    };
+    (Duration::from_millis(index as u64 * interval_ms), words)
+}
+
 /// A greedy choice: the token of the largest logit, and how far that logit lies above the
 /// runner-up's (two ways that compute the same logits to within rounding may choose apart only
 /// where this margin is about as small as the rounding).

@@ -114,9 +114,16 @@ fn continuous_batching_serves_every_request_the_tokens_of_serving_it_alone() {
 #[test]
 fn a_pool_too_small_for_the_stream_preempts_and_recomputes_to_the_same_tokens() {
     // The stream stores about 280 blocks per layer at its peak; 48 hold a few requests at once.
-    // Requests arrive every 2 ms and each decodes at least 32 tokens, so many overlap on any
-    // machine that serves a token in much more than 60 µs (every CPU so far: about 250 µs).
-    let small = served(&["--device", "flex", "--pool-blocks", "48"]);
+    // All 32 arrive at once, so that the schedule (and when a request is preempted) is the
+    // same on every machine.
+    let small = served(&[
+        "--device",
+        "flex",
+        "--pool-blocks",
+        "48",
+        "--arrival-ms",
+        "0",
+    ]);
     let (count, recomputed) = small.preempted;
     assert!(
         count > 0 && recomputed > 0,
@@ -146,6 +153,8 @@ fn prompts_prefilled_in_chunks_give_the_same_tokens() {
         "16",
         "--pool-blocks",
         "48",
+        "--arrival-ms",
+        "0",
     ]);
     assert!(small.preempted.0 > 0, "{:?}", small.preempted);
     assert!(small.most_prompt_rows <= 16, "{}", small.most_prompt_rows);
@@ -158,6 +167,8 @@ fn prompts_prefilled_in_chunks_give_the_same_tokens() {
         "2",
         "--pool-blocks",
         "30",
+        "--arrival-ms",
+        "0",
     ]);
     assert!(
         halfway.preempted_prefilling > 0,
@@ -199,7 +210,7 @@ fn bad_options_are_refused_with_the_usage() {
             stderr.contains(error)
                 && stderr.contains(
                     "usage: serve [--device flex|ndarray|wgpu] [--window N] [--pool-blocks N] \
-                     [--prefill-chunk N]"
+                     [--prefill-chunk N] [--arrival-ms N]"
                 ),
             "{stderr}"
         );
