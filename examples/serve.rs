@@ -488,8 +488,8 @@ struct Settings {
     arrival_ms: u64,
 }
 
-/// Reads `--window N`, `--pool-blocks N` and `--prefill-chunk N`; a bad value exits with the
-/// usage.
+/// Reads `--window N`, `--pool-blocks N`, `--prefill-chunk N` and `--arrival-ms N`; a bad value
+/// exits with the usage.
 fn settings(options: &ProgramOptions, requests: &[Request]) -> Settings {
     let number = |flag: &str, least: usize, what: &str| options.number(flag, least, what);
     // The pool must hold the longest request whole, its prompt and every token it wants: a

@@ -18,10 +18,10 @@
 //!
 //! Requests arrive one every 2 ms, or every `N` ms with `--arrival-ms N` (0: all at once, the
 //! schedule then the same on every machine). Every request that has arrived joins at the next
-//! step by default, its source encoded before
-//! the step: the running requests wait for those encodings. `--joins-per-step N` lets at most
-//! `N` join a step, which shortens the longest waits between the running requests' tokens and
-//! lengthens the joining requests' wait for their first.
+//! step by default, its source encoded before the step: the running requests wait for those
+//! encodings. `--joins-per-step N` lets at most `N` join a step, which shortens the longest
+//! waits between the running requests' tokens and lengthens the joining requests' wait for
+//! their first.
 //!
 //! With `--beams N` each request runs a beam search of `N` beams instead of greedy decoding
 //! (Whisper's and translation's way): continuous batching feeds every beam's last token in the

@@ -42,7 +42,8 @@ pub fn arrival(index: usize, interval_ms: u64) -> (Duration, String) {
         0 => "all at once".to_string(),
         interval => format!("one every {interval} ms"),
     };
-    (Duration::from_millis(index as u64 * interval_ms), words)
+    let millis = (index as u64).saturating_mul(interval_ms);
+    (Duration::from_millis(millis), words)
 }
 
 /// A greedy choice: the token of the largest logit, and how far that logit lies above the
@@ -518,6 +519,12 @@ mod tests {
         odd.tokens[0][2] = 5;
         let same_decisions = served_as(&[&[1, 2, 3]], &[&[1e-6; 3]]);
         let parting = &partings(&odd, &same_decisions)[0];
+        assert_eq!((parting.decision, parting.margin), (3, f32::INFINITY));
+        // One way's decisions a prefix of the other's: past both, no margin either (the
+        // longer one's next decision, a near tie, does not excuse it).
+        let short = served_as(&[&[1, 2]], &[&[1e-6; 2]]);
+        let long = served_as(&[&[1, 2, 3]], &[&[1e-6; 3]]);
+        let parting = &partings(&short, &long)[0];
         assert_eq!((parting.decision, parting.margin), (3, f32::INFINITY));
     }
 

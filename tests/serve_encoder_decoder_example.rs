@@ -1,7 +1,7 @@
 //! The `serve_encoder_decoder` example end to end on flex: continuous batching through a
 //! `PagedTransformerDecoderCache` and one request at a time with a `TransformerDecoderCache`
-//! give every request the same tokens, but at a near tie of its two largest logits (the example
-//! exits 1 otherwise), with the default pool and with one too small for the stream, whose
+//! give every request the same tokens, but where the two ways part at a near tie (the example
+//! exits 1 otherwise; a few at most), with the default pool and with one too small for the stream, whose
 //! requests then wait for blocks, with one request joining a step, and with beam search (beams
 //! forked in the pool, sharing blocks); each way reports its peak cache memory, stored within
 //! allocated; bad options are refused.
@@ -56,11 +56,15 @@ fn served(args: &[&str]) -> Report {
         "{args:?}: {stdout}\n{}",
         String::from_utf8_lossy(&run.stderr)
     );
-    assert!(
-        stdout.contains("32 of 32 requests got the same tokens both ways")
-            || stdout.contains("parted at a near tie"),
-        "{stdout}"
-    );
+    // The example exits 1 where a request parts but at a near tie; near ties are rare (none
+    // in any run so far), so many would mean decisions excused that should not be.
+    let same: usize = stdout
+        .lines()
+        .find_map(|line| line.strip_suffix(" of 32 requests got the same tokens both ways"))
+        .unwrap_or_else(|| panic!("no count of requests with the same tokens: {stdout}"))
+        .parse()
+        .unwrap();
+    assert!(same >= 28, "{stdout}");
     let [batched_peak_mib, _] = ["| continuous batching", "| one at a time"].map(|way| {
         let row = stdout
             .lines()
