@@ -21,6 +21,7 @@ use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig};
 use burn::tensor::activation::log_softmax;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_mha::device_from_args;
+use burn_mha::serving::{Beam, best_continuations};
 use mha::{KvCache, MhaInput, MultiHeadAttention, MultiHeadAttentionConfig, RopeConfig};
 
 const VOCAB: usize = 64;
@@ -104,41 +105,26 @@ fn caches(depth: usize) -> Vec<KvCache> {
 /// Beam search of `BEAMS` beams for `BEAM_TOKENS` tokens after `prompt`: the prompt prefilled
 /// once, its caches repeated for every beam, and after each step the caches of the beams that
 /// survive kept (`select_batch`). Returns each final beam's tokens and log-probability.
-fn beam_search(model: &TinyLm, prompt: &[i64], device: &Device) -> Vec<(Vec<i64>, f32)> {
+fn beam_search(model: &TinyLm, prompt: &[i64], device: &Device) -> Vec<Beam> {
     let mut caches = caches(LAYERS);
     let mut logits = model.next_logits(tokens_of(&[prompt.to_vec()], device), Some(&mut caches));
-    let mut beams: Vec<(Vec<i64>, f32)> = vec![(Vec::new(), 0.0)];
+    let mut beams = vec![Beam::start()];
     for step in 0..BEAM_TOKENS {
         let log_probs = log_softmax(logits, 1)
             .into_data()
             .try_to_vec::<f32>()
             .expect("f32 logits");
-        let vocab = log_probs.len() / beams.len();
         // Every beam's every next token, best first; the `BEAMS` best survive.
-        let mut candidates: Vec<(usize, usize, f32)> = log_probs
-            .iter()
-            .enumerate()
-            .map(|(i, &log_prob)| (i / vocab, i % vocab, beams[i / vocab].1 + log_prob))
-            .collect();
-        candidates.sort_by(|a, b| b.2.total_cmp(&a.2));
-        candidates.truncate(BEAMS);
-        let parents: Vec<usize> = candidates.iter().map(|&(parent, ..)| parent).collect();
-        beams = candidates
-            .iter()
-            .map(|&(parent, token, score)| {
-                let mut tokens = beams[parent].0.clone();
-                tokens.push(token as i64);
-                (tokens, score)
-            })
-            .collect();
+        let survivors = best_continuations(&beams, &log_probs, BEAMS);
+        beams = survivors.beams;
         if step + 1 == BEAM_TOKENS {
             break;
         }
         // Each surviving beam continues its parent's cache (the prompt's, repeated, at first).
         for cache in &mut caches {
-            cache.select_batch(&parents);
+            cache.select_batch(&survivors.parents);
         }
-        let last: Vec<Vec<i64>> = beams.iter().map(|(tokens, _)| vec![tokens[step]]).collect();
+        let last: Vec<Vec<i64>> = beams.iter().map(|beam| vec![beam.tokens[step]]).collect();
         logits = model.next_logits(tokens_of(&last, device), Some(&mut caches));
     }
     beams
@@ -325,13 +311,13 @@ fn check_beams(model: &TinyLm, prompt: &[i64], device: &Device, failures: &mut V
     let beam_time = started.elapsed();
     let off = beams
         .iter()
-        .map(|(tokens, score)| (score - log_probability(model, prompt, tokens, device)).abs())
+        .map(|beam| (beam.score - log_probability(model, prompt, &beam.tokens, device)).abs())
         .fold(0.0f32, f32::max);
     println!(
         "beam search:     {BEAMS} beams, {BEAM_TOKENS} tokens in {:.1} ms; best log-probability \
          {:.3}; scores within {off:.1e} of recomputed",
         beam_time.as_secs_f64() * 1e3,
-        beams[0].1
+        beams[0].score
     );
     if off > 1e-3 {
         failures.push(format!(

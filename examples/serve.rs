@@ -43,8 +43,8 @@ use std::time::{Duration, Instant};
 use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig};
 use burn::tensor::{Device, Tensor};
 use burn_mha::serving::{
-    CacheBytes, Choice, Decision, Numbers, Served, TABLE_HEADER, arrival, check_same_tokens, embed,
-    greedy, last_rows, report,
+    CacheBytes, Choice, Decision, Numbers, Served, TABLE_HEADER, check_same_tokens, embed, greedy,
+    last_rows, report, space_arrivals,
 };
 use burn_mha::{ProgramOptions, device_and_options};
 use mha::transformer::{
@@ -89,10 +89,11 @@ fn requests() -> Vec<Request> {
     let mut numbers = Numbers::new(0x2545_f491_4f6c_dd1d);
     let mut next = |below: u64| numbers.below(below);
     (0..REQUESTS)
-        .map(|i| {
+        .map(|_| {
             let prompt_len = 16 + next(177) as usize;
             Request {
-                arrival: arrival(i, ARRIVAL_INTERVAL_MS).0,
+                // Spaced by `main` (`--arrival-ms`).
+                arrival: Duration::ZERO,
                 prompt: (0..prompt_len).map(|_| next(VOCAB as u64) as i64).collect(),
                 output_len: 32 + next(129) as usize,
             }
@@ -525,10 +526,10 @@ fn main() {
     );
     let mut requests = requests();
     let settings = settings(&options, &requests);
-    let mut arriving = String::new();
-    for (index, request) in requests.iter_mut().enumerate() {
-        (request.arrival, arriving) = arrival(index, settings.arrival_ms);
-    }
+    let arriving = space_arrivals(
+        requests.iter_mut().map(|request| &mut request.arrival),
+        settings.arrival_ms,
+    );
     device.seed(7);
     let model = Model::new(settings.window, &device);
     let wanted: usize = requests.iter().map(|r| r.output_len).sum();

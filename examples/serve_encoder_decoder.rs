@@ -57,8 +57,8 @@ use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig};
 use burn::tensor::activation::log_softmax;
 use burn::tensor::{Device, Tensor};
 use burn_mha::serving::{
-    Beam, CacheBytes, Decision, Numbers, Served, TABLE_HEADER, arrival, best_continuations,
-    check_same_tokens, embed, last_rows, report,
+    Beam, CacheBytes, Decision, Numbers, Served, TABLE_HEADER, best_continuations,
+    check_same_tokens, embed, last_rows, report, space_arrivals,
 };
 use burn_mha::{ProgramOptions, device_and_options};
 use mha::transformer::{
@@ -115,7 +115,7 @@ fn requests() -> Vec<Request> {
     let mut numbers = Numbers::new(0x9e37_79b9_7f4a_7c15);
     let mut next = |below: usize| numbers.below(below as u64) as usize;
     (0..REQUESTS)
-        .map(|i| {
+        .map(|_| {
             let source_len = 16 + next(305);
             let source = (0..source_len).map(|_| next(VOCAB) as i64).collect();
             let forced_len = next(8);
@@ -123,7 +123,8 @@ fn requests() -> Vec<Request> {
                 .chain((0..forced_len).map(|_| next(VOCAB) as i64))
                 .collect();
             Request {
-                arrival: arrival(i, ARRIVAL_INTERVAL_MS).0,
+                // Spaced by `main` (`--arrival-ms`).
+                arrival: Duration::ZERO,
                 source,
                 forced,
                 max_tokens: 16 + next(113),
@@ -690,10 +691,10 @@ fn main() {
     );
     let mut requests = requests();
     let settings = settings(&options, &requests);
-    let mut arriving = String::new();
-    for (index, request) in requests.iter_mut().enumerate() {
-        (request.arrival, arriving) = arrival(index, settings.arrival_ms);
-    }
+    let arriving = space_arrivals(
+        requests.iter_mut().map(|request| &mut request.arrival),
+        settings.arrival_ms,
+    );
     device.seed(7);
     let model = Model::new(&device);
     let wanted: usize = requests.iter().map(|r| r.max_tokens).sum();

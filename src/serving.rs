@@ -35,15 +35,19 @@ impl Numbers {
     }
 }
 
-/// Request `index`'s arrival when one arrives every `interval_ms` milliseconds (0: all at
-/// once), and that rule in words.
-pub fn arrival(index: usize, interval_ms: u64) -> (Duration, String) {
-    let words = match interval_ms {
+/// Sets `arrivals`, in order, one every `interval_ms` milliseconds from 0 (0: all at once);
+/// returns that rule in words.
+pub fn space_arrivals<'a>(
+    arrivals: impl IntoIterator<Item = &'a mut Duration>,
+    interval_ms: u64,
+) -> String {
+    for (index, arrival) in arrivals.into_iter().enumerate() {
+        *arrival = Duration::from_millis((index as u64).saturating_mul(interval_ms));
+    }
+    match interval_ms {
         0 => "all at once".to_string(),
         interval => format!("one every {interval} ms"),
-    };
-    let millis = (index as u64).saturating_mul(interval_ms);
-    (Duration::from_millis(millis), words)
+    }
 }
 
 /// A greedy choice: the token of the largest logit, and how far that logit lies above the
