@@ -7,6 +7,7 @@
 //! cargo run --release -p train-demo -- --task count --heads 1  # one head for two relations
 //! cargo run --release -p train-demo -- --devices flex,flex    # burn-train's MultiDevice
 //! cargo run --release -p train-demo -- eval --out runs/reverse-…
+//! cargo run --release -p train-demo -- serve --out runs/sort-…   # continuous batching
 //! ```
 
 mod checkpoint;
@@ -18,6 +19,7 @@ mod renderer;
 mod report;
 mod rng;
 mod schedule;
+mod serve;
 mod step;
 mod stopping;
 mod tasks;
@@ -26,7 +28,7 @@ mod train;
 use std::path::PathBuf;
 
 use burn::train::Interrupter;
-use clap::{Args, Parser, Subcommand};
+use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use crate::checkpoint::RunIdentity;
 use crate::model::TransformerConfig;
@@ -64,6 +66,33 @@ enum Command {
         #[arg(long, default_value_t = 5)]
         count: usize,
     },
+    /// Serve a run's held-out examples to its decoder as a stream of requests: continuous
+    /// batching over paged KV caches against one request at a time (generative tasks).
+    Serve(ServeArgs),
+}
+
+#[derive(Args, Debug, Clone)]
+struct ServeArgs {
+    /// The run's folder (holding config.json and checkpoint/).
+    #[arg(long)]
+    out: PathBuf,
+    /// Device to serve on.
+    #[arg(long, default_value = "flex")]
+    device: String,
+    /// Held-out examples served, one request each.
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..))]
+    requests: u64,
+    /// Milliseconds between two requests' arrivals (0: all at once; fractions allowed: a toy
+    /// model answers a request in well under a millisecond).
+    #[arg(long, default_value_t = 0.1, value_parser = milliseconds)]
+    arrival_ms: f64,
+    /// Blocks in each layer's pool: a request waits until the blocks its answer takes are
+    /// free.
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..))]
+    pool_blocks: u64,
+    /// Positions per block.
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u64).range(1..))]
+    block_size: u64,
 }
 
 #[derive(Args, Debug, Clone)]
@@ -162,6 +191,7 @@ fn main() {
         Some(Command::Train(args)) => run_training(args),
         Some(Command::Eval(run)) => evaluate(&run, None),
         Some(Command::Predict { run, count }) => evaluate(&run, Some(count)),
+        Some(Command::Serve(args)) => run_serving(&args),
     };
     if let Err(message) = result {
         eprintln!("error: {message}");
@@ -343,6 +373,52 @@ fn evaluate(run: &RunArgs, predictions: Option<usize>) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+/// A number of milliseconds, at least 0.
+fn milliseconds(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(value) if value.is_finite() && value >= 0.0 => Ok(value),
+        _ => Err(format!(
+            "{text:?} is not a number of milliseconds (0 or more)"
+        )),
+    }
+}
+
+fn run_serving(args: &ServeArgs) -> Result<(), String> {
+    let identity: RunIdentity = checkpoint::load_identity(&args.out)?;
+    let device = device::by_name(&args.device)?;
+    let task = identity
+        .task
+        .build(identity.seq_len, identity.model.vocab)?;
+    if task.generate_len().is_none() {
+        let generative: Vec<&str> = TaskKind::value_variants()
+            .iter()
+            .filter(|kind| {
+                let defaults = kind.defaults();
+                kind.build(defaults.seq_len, defaults.vocab)
+                    .is_ok_and(|task| task.generate_len().is_some())
+            })
+            .map(|kind| kind.name())
+            .collect();
+        return Err(format!(
+            "{} is scored by teacher forcing, not generated: there is nothing to serve token by \
+             token (a run of {} is)",
+            identity.task.name(),
+            generative.join(" or ")
+        ));
+    }
+    let model = checkpoint::load_model(&args.out, identity.model.init(&device))?;
+    let examples = train::held_out(task.as_ref(), identity.seed, args.requests as usize);
+    let requests: Vec<serve::Request> = examples.iter().map(serve::Request::of).collect();
+    let settings = serve::ServeSettings {
+        arrival: std::time::Duration::from_secs_f64(args.arrival_ms / 1e3),
+        pool_blocks: args.pool_blocks as usize,
+        block_size: args.block_size as usize,
+    };
+    let batched = serve::continuously(&model, &requests, settings, &device)?;
+    let alone = serve::one_at_a_time(&model, &requests, settings, &device);
+    serve::report(task.describe(), &requests, settings, &batched, &alone)
 }
 
 #[cfg(test)]

@@ -18,6 +18,10 @@ use mha::{MhaInput, MultiHeadAttention, MultiHeadAttentionConfig, NeedWeights, R
 
 use crate::tasks::Architecture;
 
+mod paged;
+
+pub use paged::StepRun;
+
 /// Sizes of the model; saved with every checkpoint, which refuses to load into another size.
 #[derive(Config, Debug, PartialEq)]
 pub struct TransformerConfig {
