@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 
 use burn::tensor::{Device, Tensor};
 use common::paged_harness::{check_blocks_needed, reads_before};
-use common::paged_schedule::{Embeddings, Exercised, Schedule, Served};
+use common::paged_schedule::{Embeddings, Exercised, Schedule, Served, schedule_seeds};
 use common::{assert_close, panic_message, randn, row_ids, storages};
 use mha::transformer::{
     PagedTransformerCache, TransformerEncoder, TransformerEncoderCache, TransformerEncoderInput,
@@ -98,8 +98,10 @@ fn random_schedules_through_a_stack_equal_decoding_each_sequence_alone_through_i
         let stack = common::causal_stack_in_window(D_MODEL, window, &device);
         let embeddings = Embeddings::new(D_MODEL, &device);
         for storage in storages(&device) {
-            // The second pool allocated whole on its first step.
-            for (block_size, max_blocks, initial_blocks, seed) in [(4, 24, 0, 11), (16, 8, 8, 12)] {
+            // The second pool allocated whole on its first step; the third schedule once
+            // parted two alike layers' free lists (a take-back forgot filings out of order).
+            let schedules = [(4, 24, 0, 11), (16, 8, 8, 12), (4, 24, 0, 2_000_017)];
+            for (block_size, max_blocks, initial_blocks, seed) in schedules {
                 let config = PagedKvCacheConfig::new(max_blocks)
                     .with_block_size(block_size)
                     .with_initial_blocks(initial_blocks)
@@ -108,18 +110,23 @@ fn random_schedules_through_a_stack_equal_decoding_each_sequence_alone_through_i
                 // sequence that stored them computed: from the layer before's output, which
                 // read that step's own keys unrounded and earlier ones as stored, so they
                 // depend on how that sequence was cut into steps, and differ from the
-                // reference's, whose steps differ, by the storage's rounding.
+                // reference's, whose steps differ, by the storage's rounding (in f16 up to
+                // 1.07e-4 in one of 100 schedules, seed 17000062).
                 let tolerance = match storage {
                     CacheStorage::Float => 1e-5,
-                    CacheStorage::Half => 1e-4,
+                    CacheStorage::Half => 2e-4,
                     CacheStorage::Int8 => 2e-3,
                 };
-                let mut harness =
-                    StackHarness::new(&stack, &device, config).with_tolerance(tolerance);
-                if storage == CacheStorage::Half {
-                    harness = harness.with_steps_refused_by_a_later_layer();
+                for seed in schedule_seeds(seed) {
+                    // Shown with a failure: the schedule to replay.
+                    println!("{name} window {window:?} {storage:?}: schedule seed {seed}");
+                    let mut harness =
+                        StackHarness::new(&stack, &device, config).with_tolerance(tolerance);
+                    if storage == CacheStorage::Half {
+                        harness = harness.with_steps_refused_by_a_later_layer();
+                    }
+                    Schedule::run(&mut harness, &embeddings, seed, (100, &mut exercised));
                 }
-                Schedule::run(&mut harness, &embeddings, seed, (100, &mut exercised));
             }
         }
     }

@@ -299,20 +299,12 @@ impl PagedTransformerCache {
                 Err(error) => {
                     // A later layer's refusal (f16's range, or a fuller pool under another
                     // window): the layers before it stored the step, and take it back, so that
-                    // the layers stay in step. Each forgets the filings of the blocks it
-                    // overwrote; the later layers forget those of every such block, so that
-                    // alike layers stay alike (under different windows the numbers may name
-                    // other blocks of a later layer's pool, whose filings are then lost: fewer
-                    // prompts share them, nothing wrong is shared).
-                    let mut overwritten = Vec::new();
-                    for stored in &mut self.layers[..index] {
-                        overwritten.extend(stored.undo_last_step());
-                    }
-                    overwritten.sort_unstable();
-                    overwritten.dedup();
-                    for later in &mut self.layers[index..] {
-                        later.forget_overwritten(&overwritten);
-                    }
+                    // the layers stay in step. Every layer forgets the filings of the blocks
+                    // they overwrote, so that alike layers stay alike (under different windows
+                    // the numbers may name other blocks of another layer's pool, whose filings
+                    // are then lost: fewer prompts share them, nothing wrong is shared).
+                    let (stored, later) = self.layers.split_at_mut(index);
+                    PagedKvCache::take_back(stored, later);
                     return Err(error);
                 }
             }

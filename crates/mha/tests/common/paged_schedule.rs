@@ -90,6 +90,24 @@ pub fn system(n: usize) -> Vec<Token> {
         .collect()
 }
 
+/// The seeds of a test's schedule drawn from `seed`: `seed` alone, or with
+/// `MHA_RANDOM_SCHEDULES=<n>` `n` seeds, `seed` first (more schedules, for a search for
+/// failures beyond the ones CI runs; a failure names its seed, which the schedule replays
+/// from).
+pub fn schedule_seeds(seed: u64) -> Vec<u64> {
+    let count = std::env::var("MHA_RANDOM_SCHEDULES")
+        .ok()
+        .map(|count| {
+            count
+                .parse::<u64>()
+                .ok()
+                .filter(|&count| count > 0)
+                .expect("MHA_RANDOM_SCHEDULES=<n>, n at least 1")
+        })
+        .unwrap_or(1);
+    (0..count).map(|index| seed + 1_000_003 * index).collect()
+}
+
 /// A schedule's choices, from a seed of its own ([`Rng`]): the rows' values come from the
 /// backend's generator, which the test seeds.
 struct Choices(Rng);

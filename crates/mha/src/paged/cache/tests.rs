@@ -598,3 +598,48 @@ fn a_sequence_gives_the_tokens_it_was_told_and_a_fork_those_of_its_positions() {
     cache.remove_sequence(a).unwrap();
     assert_eq!(cache.tokens(a), None);
 }
+
+/// A step that takes filed free blocks out of their numbers' order (freed by two sequences,
+/// the later-numbered first), stored by a stack's first layer and refused by its second: once
+/// taken back, both layers forget those filings in the same order, so that their free lists
+/// stay alike and later steps take the same blocks in both. (Forgotten in sorted order by the
+/// later layer, the lists once parted, and a later step's take-back forgot filings of other
+/// blocks in the second layer: found by `MHA_RANDOM_SCHEDULES=3` in `paged_stack.rs`.)
+#[test]
+fn a_step_taken_back_leaves_alike_layers_with_the_same_free_lists() {
+    let owner = owner();
+    let layer = || {
+        let mut cache = PagedKvCacheConfig::new(4).with_block_size(2).init();
+        cache.keep_undo();
+        let x = cache.add_sequence_with_prompt(&[1, 2, 3, 4]).id;
+        numbered_step(&mut cache, owner, &[(x, 4)], 0.0);
+        let y = cache.add_sequence_with_prompt(&[5, 6, 7, 8]).id;
+        numbered_step(&mut cache, owner, &[(y, 4)], 10.0);
+        cache.remove_sequence(y).unwrap();
+        cache.remove_sequence(x).unwrap();
+        cache
+    };
+    let (mut first, mut second) = (layer(), layer());
+    assert_eq!(
+        first.free.filed,
+        [2, 3, 0, 1],
+        "the blocks freed, y's first"
+    );
+    assert!(first.same_bookkeeping(&second));
+    let z = first.add_sequence();
+    second.add_sequence();
+    // The first layer stores a step that takes every filed block; the second refuses it.
+    numbered_step(&mut first, owner, &[(z, 8)], 100.0);
+    assert_eq!(first.free_blocks(), 0);
+    PagedKvCache::take_back(
+        std::slice::from_mut(&mut first),
+        std::slice::from_mut(&mut second),
+    );
+    assert_eq!(first.filed_blocks(), 0);
+    assert!(
+        first.same_bookkeeping(&second),
+        "{:?}\n{:?}",
+        first.free,
+        second.free
+    );
+}

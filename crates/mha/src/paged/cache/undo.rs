@@ -133,9 +133,32 @@ impl PagedKvCache {
         self.undo = UndoLog::On(None);
     }
 
+    /// Takes back the last step stored by each of `stored` (the layers before the one that
+    /// refused it), and has every layer, `stored` and `later`, forget the filings of the filed
+    /// blocks any of them wrote into: the same blocks, in the same order, so that alike layers
+    /// keep the same free lists, in the same order, and take the same blocks at later steps.
+    ///
+    /// # Panics
+    ///
+    /// As [`undo_last_step`](Self::undo_last_step), for a cache of `stored`.
+    pub(crate) fn take_back(stored: &mut [PagedKvCache], later: &mut [PagedKvCache]) {
+        let mut overwritten: Vec<usize> = Vec::new();
+        for cache in stored.iter_mut() {
+            for block in cache.undo_last_step() {
+                if !overwritten.contains(&block) {
+                    overwritten.push(block);
+                }
+            }
+        }
+        for cache in stored.iter_mut().chain(later) {
+            cache.forget_overwritten(&overwritten);
+        }
+    }
+
     /// Takes back the last step stored: every sequence holds the positions and blocks it held
-    /// before it, with what they held. Gives the filed blocks the step wrote into, which every
-    /// layer of the stack must forget ([`forget_overwritten`](Self::forget_overwritten)).
+    /// before it, with what they held. Gives the filed blocks the step wrote into, in the order
+    /// it took them, which it has forgotten and every other layer of the stack must forget
+    /// ([`forget_overwritten`](Self::forget_overwritten), in that order).
     ///
     /// # Panics
     ///
@@ -212,7 +235,8 @@ impl PagedKvCache {
     }
 
     /// Forgets the filings of `blocks` (written by a step that another layer took back); those
-    /// no sequence refers to become free blocks nothing can share.
+    /// no sequence refers to become free blocks nothing can share, at the end of the unfiled
+    /// ones in the order of `blocks`. A block forgotten already is left where it is.
     pub(crate) fn forget_overwritten(&mut self, blocks: &[usize]) {
         for &block in blocks {
             self.prefixes.forget(block);
