@@ -375,12 +375,16 @@ fn evaluate(run: &RunArgs, predictions: Option<usize>) -> Result<(), String> {
     Ok(())
 }
 
-/// A number of milliseconds, at least 0.
+/// The longest time between two arrivals `serve` takes, in milliseconds: a minute (longer
+/// gaps serve one request at a time both ways, and the arrival times must fit a `Duration`).
+const MOST_ARRIVAL_MS: f64 = 60_000.0;
+
+/// A number of milliseconds from 0 to [`MOST_ARRIVAL_MS`].
 fn milliseconds(text: &str) -> Result<f64, String> {
     match text.parse::<f64>() {
-        Ok(value) if value.is_finite() && value >= 0.0 => Ok(value),
+        Ok(value) if (0.0..=MOST_ARRIVAL_MS).contains(&value) => Ok(value),
         _ => Err(format!(
-            "{text:?} is not a number of milliseconds (0 or more)"
+            "{text:?} is not a number of milliseconds from 0 to {MOST_ARRIVAL_MS}"
         )),
     }
 }

@@ -151,10 +151,12 @@ fn what_cannot_be_served_is_refused_with_its_reason() {
         "--pool-blocks 5: a request needs 11 blocks of 1 positions",
     );
     refused(serve(sort_run(), &["--pool-blocks", "0"]), "--pool-blocks");
-    refused(
-        serve(sort_run(), &["--arrival-ms=-1"]),
-        "not a number of milliseconds",
-    );
+    for arrival in ["--arrival-ms=-1", "--arrival-ms=1e30", "--arrival-ms=NaN"] {
+        refused(
+            serve(sort_run(), &[arrival]),
+            "not a number of milliseconds",
+        );
+    }
     static REVERSE: OnceLock<PathBuf> = OnceLock::new();
     let reverse = trained("reverse", &REVERSE, &["--steps", "1", "--eval-every", "1"]);
     refused(
