@@ -1,15 +1,18 @@
-//! Serving a stream of requests with a small (untrained) decoder-only model, two ways: continuous
-//! batching over a `PagedTransformerCache` (requests join the running batch as they arrive,
-//! prompts are prefilled in the same step as the other requests' next tokens, a finished
+//! Serving a stream of requests with a small (untrained) decoder-only model, three ways:
+//! continuous batching over a `PagedTransformerCache` (requests join the running batch as they
+//! arrive, prompts are prefilled in the same step as the other requests' next tokens, a finished
 //! request's blocks go back to the pool at once, and each request is added with its whole prompt,
 //! so that the system prompt every request starts with is found by its tokens, computed once and
-//! shared), and one request at a time with a `KvCache` per layer. Both decode greedily, so each
-//! request must get the same tokens either way, unless its two largest logits were within
-//! rounding of each other (a near tie, reported): the example fails (exit status 1), naming the
-//! requests and where their tokens part, if one does not. It prints tokens per second, time to
-//! first token, time between a request's tokens and peak cache memory for each way: the bytes
-//! the sequences in flight store (the pool's blocks in use, each sequence's last one whole; a
-//! `KvCache`'s positions), and the bytes the caches had allocated at that moment (the pool's
+//! shared); static batches with a `KvCache` per layer, what batching takes without a paged cache
+//! (the requests that arrived while the last batch ran, their prompts padded in front to the
+//! longest; a finished request leaves, none joins until the batch is done); and one request at a
+//! time with a `KvCache` per layer. All decode greedily, so each request must get the same tokens
+//! every way, unless its two largest logits were within rounding of each other (a near tie,
+//! reported): the example fails (exit status 1), naming the requests and where their tokens
+//! part, if one does not. It prints tokens per second, time to first token, time between a
+//! request's tokens and peak cache memory for each way: the bytes the sequences in flight store
+//! (the pool's blocks in use, each sequence's last one whole; a `KvCache`'s positions, a static
+//! batch's padding included), and the bytes the caches had allocated at that moment (the pool's
 //! blocks, free ones included; a `KvCache`'s buffers with their room to grow).
 //!
 //! Requests join without a reservation for the tokens they will generate, as vLLM schedules:
@@ -41,7 +44,7 @@ use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig};
-use burn::tensor::{Device, Tensor};
+use burn::tensor::{Bool, Device, Tensor};
 use burn_mha::serving::{
     CacheBytes, Choice, Decision, Numbers, Served, TABLE_HEADER, check_same_tokens, embed, greedy,
     last_rows, report, space_arrivals,
@@ -146,22 +149,29 @@ impl Model {
         greedy(self.head.forward(last_rows(hidden, sequences)))
     }
 
-    /// The greedy next token after `tokens` fed to `cache`.
+    /// The greedy next token of each of `batch` rows fed to `cache`: `tokens` holds the rows
+    /// one after another, all as long, and `padding` (`[batch, len]`, `true` = padding) marks
+    /// the positions no query may attend to.
     fn step_cached(
         &self,
         tokens: &[i64],
+        batch: usize,
+        padding: Option<Tensor<2, Bool>>,
         cache: &mut TransformerEncoderCache,
         device: &Device,
-    ) -> Choice {
+    ) -> Vec<Choice> {
+        let len = tokens.len() / batch;
+        let mut input =
+            TransformerEncoderInput::new(self.embed(tokens, device).reshape([batch, len, D_MODEL]));
+        if let Some(padding) = padding {
+            input = input.mask_pad(padding);
+        }
         let hidden = self
             .stack
-            .forward_cached(
-                TransformerEncoderInput::new(self.embed(tokens, device)),
-                cache,
-            )
+            .forward_cached(input, cache)
             .expect("the stack's own caches take every step");
-        let last = hidden.narrow(1, tokens.len() - 1, 1).reshape([1, D_MODEL]);
-        greedy(self.head.forward(last))[0]
+        let last = hidden.narrow(1, len - 1, 1).reshape([batch, D_MODEL]);
+        greedy(self.head.forward(last))
     }
 }
 
@@ -449,11 +459,11 @@ fn serve_one_at_a_time(model: &Model, requests: &[Request], device: &Device) -> 
         std::thread::sleep(request.arrival.saturating_sub(started.elapsed()));
         let mut cache = model.stack.new_cache();
         let prompt = [system.as_slice(), &request.prompt].concat();
-        let mut generated = vec![model.step_cached(&prompt, &mut cache, device)];
+        let mut generated = model.step_cached(&prompt, 1, None, &mut cache, device);
         let mut times = vec![started.elapsed()];
         while generated.len() < request.output_len {
             let last = generated.last().expect("a first token").token;
-            generated.push(model.step_cached(&[last], &mut cache, device));
+            generated.extend(model.step_cached(&[last], 1, None, &mut cache, device));
             times.push(started.elapsed());
         }
         peak_cache = peak_cache.peak(CacheBytes {
@@ -476,6 +486,103 @@ fn serve_one_at_a_time(model: &Model, requests: &[Request], device: &Device) -> 
         token_times,
         arrivals: requests.iter().map(|request| request.arrival).collect(),
         peak_cache,
+    }
+}
+
+/// Static batching with `KvCache`s, the way to serve many requests at once without a paged
+/// cache: the requests that arrived while the last batch ran (at least the next one) form a
+/// batch and decode together; a finished request leaves it (`select_batch`), but none joins
+/// until it is empty, since a `KvCache` batch's rows share one length. Prompts are padded in
+/// front to the longest, the padding masked out of every key (RoPE's scores depend only on
+/// the distance between positions, so a request's tokens do not depend on its padding), and
+/// stored: every row of the batch holds the longest prompt's positions.
+fn serve_in_static_batches(model: &Model, requests: &[Request], device: &Device) -> Served {
+    let mut served = Served {
+        tokens: vec![Vec::new(); requests.len()],
+        decisions: vec![Vec::new(); requests.len()],
+        wall: Duration::ZERO,
+        token_times: vec![Vec::new(); requests.len()],
+        arrivals: requests.iter().map(|request| request.arrival).collect(),
+        peak_cache: CacheBytes::default(),
+    };
+    let started = Instant::now();
+    let mut next = 0;
+    while next < requests.len() {
+        std::thread::sleep(requests[next].arrival.saturating_sub(started.elapsed()));
+        let now = started.elapsed();
+        let arrived = requests[next..]
+            .iter()
+            .take_while(|request| request.arrival <= now)
+            .count();
+        let batch: Vec<usize> = (next..next + arrived).collect();
+        next += arrived;
+        serve_a_static_batch(model, requests, &batch, &mut served, started, device);
+    }
+    served.wall = started.elapsed();
+    served
+}
+
+/// One batch of [`serve_in_static_batches`]: `batch`'s requests prefilled together, then
+/// decoded until the last of them is done, into `served` (times from `started`).
+fn serve_a_static_batch(
+    model: &Model,
+    requests: &[Request],
+    batch: &[usize],
+    served: &mut Served,
+    started: Instant,
+    device: &Device,
+) {
+    let prompts: Vec<Vec<i64>> = batch
+        .iter()
+        .map(|&request| full_prompt(&requests[request]))
+        .collect();
+    let longest = prompts.iter().map(Vec::len).max().expect("a request");
+    // The padding's token is never attended to; any will do.
+    let tokens: Vec<i64> = prompts
+        .iter()
+        .flat_map(|prompt| std::iter::repeat_n(0, longest - prompt.len()).chain(prompt.clone()))
+        .collect();
+    let padding: Vec<bool> = prompts
+        .iter()
+        .flat_map(|prompt| (0..longest).map(|position| position < longest - prompt.len()))
+        .collect();
+    let padding =
+        Tensor::<1, Bool>::from_data(padding.as_slice(), device).reshape([batch.len(), longest]);
+    let mut cache = model.stack.new_cache();
+    let mut choices = model.step_cached(&tokens, batch.len(), Some(padding), &mut cache, device);
+    // The batch's requests still decoding, in the cache's row order.
+    let mut rows: Vec<usize> = batch.to_vec();
+    loop {
+        let now = started.elapsed();
+        for (&request, choice) in rows.iter().zip(&choices) {
+            served.tokens[request].push(choice.token);
+            served.decisions[request].push(choice.decision());
+            served.token_times[request].push(now);
+        }
+        served.peak_cache = served.peak_cache.peak(CacheBytes {
+            stored: cache
+                .layers
+                .iter()
+                .map(|layer| rows.len() * layer.stored())
+                .sum::<usize>()
+                * POSITION_BYTES,
+            allocated: cache.layers.iter().map(|layer| layer.bytes()).sum(),
+        });
+        let still: Vec<usize> = (0..rows.len())
+            .filter(|&row| served.tokens[rows[row]].len() < requests[rows[row]].output_len)
+            .collect();
+        if still.is_empty() {
+            return;
+        }
+        if still.len() < rows.len() {
+            cache.select_batch(&still);
+            rows = still.iter().map(|&row| rows[row]).collect();
+        }
+        let last: Vec<i64> = rows
+            .iter()
+            .map(|&request| *served.tokens[request].last().expect("a first token"))
+            .collect();
+        choices = model.step_cached(&last, rows.len(), None, &mut cache, device);
     }
 }
 
@@ -548,6 +655,7 @@ fn main() {
     serve_one_at_a_time(&model, &requests[..1], &device);
     let (batched, scheduled) =
         ContinuousBatching::new(&model, &requests, &settings, &device).serve();
+    let in_batches = serve_in_static_batches(&model, &requests, &device);
     let alone = serve_one_at_a_time(&model, &requests, &device);
     println!("{TABLE_HEADER}");
     let chunks = settings.prefill_chunk.map_or(String::new(), |rows| {
@@ -561,6 +669,10 @@ fn main() {
         ),
         &batched,
     );
+    report(
+        "static batches (a KvCache batch per layer, prompts padded to the longest)",
+        &in_batches,
+    );
     report("one at a time (KvCache per layer)", &alone);
     let Preemptions {
         count,
@@ -572,5 +684,6 @@ fn main() {
          {recomputed} positions computed again) and fed at most {} prompt rows in a step",
         scheduled.most_prompt_rows
     );
-    check_same_tokens(&batched, &alone);
+    check_same_tokens("both ways", &batched, &alone);
+    check_same_tokens("in static batches as alone", &in_batches, &alone);
 }

@@ -715,7 +715,7 @@ fn main() {
     let (alone, encoding_alone) = serve_one_at_a_time(&model, &requests, settings.beams, &device);
     report_both(&settings, &batched, &alone);
     report_schedule(&settings, &schedule, encoding_alone);
-    check_same_tokens(&batched, &alone);
+    check_same_tokens("both ways", &batched, &alone);
 }
 
 /// The table: a row for each way.

@@ -359,10 +359,10 @@ pub fn partings(first: &Served, second: &Served) -> Vec<Parting> {
         .collect()
 }
 
-/// Prints how many requests got the same tokens from `batched` and `alone`, and exits with
-/// status 1, naming the requests and where their decisions part, if one parted but at a near
-/// tie ([`partings`]).
-pub fn check_same_tokens(batched: &Served, alone: &Served) {
+/// Prints how many requests got the same tokens from `batched` and `alone`, served the two ways
+/// `ways` names ("both ways", say), and exits with status 1, naming the requests and where
+/// their decisions part, if one parted but at a near tie ([`partings`]).
+pub fn check_same_tokens(ways: &str, batched: &Served, alone: &Served) {
     let (ties, parted): (Vec<Parting>, Vec<Parting>) = partings(batched, alone)
         .into_iter()
         .partition(Parting::at_a_near_tie);
@@ -380,7 +380,7 @@ pub fn check_same_tokens(batched: &Served, alone: &Served) {
     };
     let requests = batched.tokens.len();
     let same = requests - ties.len() - parted.len();
-    println!("{same} of {requests} requests got the same tokens both ways");
+    println!("{same} of {requests} requests got the same tokens {ways}");
     if !ties.is_empty() {
         println!(
             "parted at a near tie (a margin within {NEAR_TIE:.0e}): {}",
@@ -389,7 +389,7 @@ pub fn check_same_tokens(batched: &Served, alone: &Served) {
     }
     if !parted.is_empty() {
         eprintln!(
-            "error: the two ways gave different tokens: {}",
+            "error: requests served {ways} got different tokens: {}",
             describe(&parted)
         );
         std::process::exit(1);

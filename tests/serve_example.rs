@@ -1,6 +1,6 @@
-//! The `serve` example end to end on flex: continuous batching and one request at a time give
-//! every request the same tokens, but at a near tie of its two largest logits (the example exits
-//! 1 otherwise), with and without a sliding window and with a pool too small for the stream, whose
+//! The `serve` example end to end on flex: continuous batching, static batches of padded
+//! prompts and one request at a time give every request the same tokens, but at a near tie of
+//! its two largest logits (the example exits 1 otherwise), with and without a sliding window and with a pool too small for the stream, whose
 //! requests are preempted and recomputed; each way reports its peak cache memory, stored within
 //! allocated (less under the window, within the pool's bound); prompts fed in chunks give the
 //! same tokens; bad options are refused.
@@ -27,9 +27,9 @@ fn peak_memory(row: &str) -> (f64, f64) {
 
 /// What a run of the example reported.
 struct Report {
-    /// Each way's peak cache memory, stored and allocated, in MiB: continuous batching, one at
-    /// a time.
-    peak_mib: [(f64, f64); 2],
+    /// Each way's peak cache memory, stored and allocated, in MiB: continuous batching, static
+    /// batches, one at a time.
+    peak_mib: [(f64, f64); 3],
     /// Times continuous batching preempted a request, and the positions computed again.
     preempted: (usize, usize),
     /// Those of the preemptions that took a request still prefilling its prompt.
@@ -52,16 +52,26 @@ fn served(args: &[&str]) -> Report {
         "{args:?}: {stdout}\n{}",
         String::from_utf8_lossy(&run.stderr)
     );
-    let same: usize = stdout
-        .lines()
-        .find_map(|line| line.strip_suffix(" of 32 requests got the same tokens both ways"))
-        .unwrap_or_else(|| panic!("no count of requests with the same tokens: {stdout}"))
-        .parse()
-        .unwrap();
-    // The example exits 1 where a request parts but at a near tie; near ties are rare (none
-    // in any run so far), so many would mean decisions excused that should not be.
-    assert!(same >= 28, "{stdout}");
-    let peak_mib = ["| continuous batching", "| one at a time"].map(|way| {
+    // Continuous batching and static batches, each against one at a time.
+    for ways in ["both ways", "in static batches as alone"] {
+        let same: usize = stdout
+            .lines()
+            .find_map(|line| {
+                line.strip_suffix(&format!(" of 32 requests got the same tokens {ways}"))
+            })
+            .unwrap_or_else(|| panic!("no count of requests with the same tokens {ways}: {stdout}"))
+            .parse()
+            .unwrap();
+        // The example exits 1 where a request parts but at a near tie; near ties are rare
+        // (none in any run so far), so many would mean decisions excused that should not be.
+        assert!(same >= 28, "{stdout}");
+    }
+    let peak_mib = [
+        "| continuous batching",
+        "| static batches",
+        "| one at a time",
+    ]
+    .map(|way| {
         let row = stdout
             .lines()
             .find(|line| line.starts_with(way))
@@ -98,7 +108,7 @@ fn continuous_batching_serves_every_request_the_tokens_of_serving_it_alone() {
     // Under a window of 32 positions each way stores less at its peak: the paged cache gives
     // back the blocks behind each sequence's window, a `KvCache` keeps the window only.
     let windowed = served(&["--device", "flex", "--window", "32", "--arrival-ms", "0"]);
-    for (way, (window, all)) in ["continuous batching", "one at a time"]
+    for (way, (window, all)) in ["continuous batching", "static batches", "one at a time"]
         .iter()
         .zip(windowed.peak_mib.iter().zip(every_position.peak_mib))
     {

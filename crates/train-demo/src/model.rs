@@ -20,7 +20,7 @@ use crate::tasks::Architecture;
 
 mod paged;
 
-pub use paged::StepRun;
+pub use paged::{StepRun, token_row};
 
 /// Sizes of the model; saved with every checkpoint, which refuses to load into another size.
 #[derive(Config, Debug, PartialEq)]

@@ -8,10 +8,10 @@
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use burn::tensor::{Device, Int, Tensor, TensorData};
+use burn::tensor::{Device, Tensor};
 use mha::{PagedKvCacheConfig, SequenceId};
 
-use crate::model::{StepRun, Transformer};
+use crate::model::{StepRun, Transformer, token_row};
 use crate::tasks::{Example, IGNORE};
 
 /// How the requests come and what the paged pool holds.
@@ -311,11 +311,6 @@ pub fn greedy(row: &[f32]) -> (usize, f32) {
         .map(|(_, &logit)| logit)
         .fold(f32::NEG_INFINITY, f32::max);
     (best, row[best] - runner_up)
-}
-
-fn token_row(tokens: &[usize], device: &Device) -> Tensor<2, Int> {
-    let values: Vec<i64> = tokens.iter().map(|&token| token as i64).collect();
-    Tensor::from_data(TensorData::new(values, [1, tokens.len()]), device)
 }
 
 /// How two ways' answers to the same requests compare.

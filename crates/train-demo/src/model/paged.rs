@@ -193,7 +193,7 @@ impl Transformer {
 }
 
 /// `tokens` as a `[1, tokens]` tensor.
-fn token_row(tokens: &[usize], device: &Device) -> Tensor<2, Int> {
+pub fn token_row(tokens: &[usize], device: &Device) -> Tensor<2, Int> {
     Tensor::from_data(token_data(tokens), device)
 }
 
