@@ -1,20 +1,14 @@
 //! The `serve_encoder_decoder` example end to end on flex: continuous batching through a
 //! `PagedTransformerDecoderCache` and one request at a time with a `TransformerDecoderCache`
 //! give every request the same tokens, but where the two ways part at a near tie (the example
-//! exits 1 otherwise; a few at most), with the default pool and with one too small for the stream, whose
-//! requests then wait for blocks, with one request joining a step, and with beam search (beams
-//! forked in the pool, sharing blocks); each way reports its peak cache memory, stored within
-//! allocated; bad options are refused.
+//! exits 1 otherwise; a few at most), with the default pool and with one too small for the
+//! stream, whose requests then wait for blocks, with one request joining a step, and with beam
+//! search (beams forked in the pool, sharing blocks); each way reports its peak cache memory,
+//! stored within allocated; bad options are refused.
 
 mod common;
 
-use std::process::Command;
-use std::time::Duration;
-
-use common::{example_binary, output_within};
-
-/// Far more than the example takes (about a second); a run that loops fails here.
-const EXAMPLE_LIMIT: Duration = Duration::from_secs(300);
+use common::served::{numbers_after, peak_mib, refused, same_tokens, stdout_of};
 
 /// What a run of the example reported.
 #[derive(Debug)]
@@ -34,60 +28,16 @@ struct Report {
     fullest_pool: (usize, usize),
 }
 
-/// The numbers of `line` in order.
-fn numbers(line: &str) -> Vec<usize> {
-    line.split(|c: char| !c.is_ascii_digit())
-        .filter(|part| !part.is_empty())
-        .map(|part| part.parse().unwrap())
-        .collect()
-}
-
 /// The example's output with `args`, checked: every request the same tokens both ways, or
 /// parted at a near tie (the example fails otherwise), and each way's peak cache memory stored
 /// within allocated.
 fn served(args: &[&str]) -> Report {
-    let run = output_within(
-        Command::new(example_binary("serve_encoder_decoder")).args(args),
-        EXAMPLE_LIMIT,
-    );
-    let stdout = String::from_utf8_lossy(&run.stdout);
-    assert!(
-        run.status.success(),
-        "{args:?}: {stdout}\n{}",
-        String::from_utf8_lossy(&run.stderr)
-    );
-    // The example exits 1 where a request parts but at a near tie; near ties are rare (none
-    // in any run so far), so many would mean decisions excused that should not be.
-    let same: usize = stdout
-        .lines()
-        .find_map(|line| line.strip_suffix(" of 32 requests got the same tokens both ways"))
-        .unwrap_or_else(|| panic!("no count of requests with the same tokens: {stdout}"))
-        .parse()
-        .unwrap();
-    assert!(same >= 28, "{stdout}");
-    let [batched_peak_mib, _] = ["| continuous batching", "| one at a time"].map(|way| {
-        let row = stdout
-            .lines()
-            .find(|line| line.starts_with(way))
-            .unwrap_or_else(|| panic!("no row {way}: {stdout}"));
-        let cell = row.trim_end_matches(" |").rsplit(" | ").next().unwrap();
-        let mib: Vec<f64> = cell
-            .split(" / ")
-            .map(|part| part.trim_end_matches(" MiB").parse().unwrap())
-            .collect();
-        assert!(0.0 < mib[0] && mib[0] <= mib[1], "{row}");
-        (mib[0], mib[1])
-    });
-    let admission = stdout
-        .lines()
-        .find_map(|line| line.strip_prefix("continuous batching held at most "))
-        .unwrap_or_else(|| panic!("no line on admission: {stdout}"));
-    let admission = numbers(admission);
-    let fullest = stdout
-        .lines()
-        .find_map(|line| line.strip_prefix("at its fullest the pool held "))
-        .unwrap_or_else(|| panic!("no line on the pool's fill: {stdout}"));
-    let fullest = numbers(fullest);
+    let stdout = stdout_of("serve_encoder_decoder", args);
+    same_tokens(&stdout, "both ways");
+    let [batched_peak_mib, _] =
+        ["continuous batching", "one at a time"].map(|way| peak_mib(&stdout, way));
+    let admission = numbers_after(&stdout, "continuous batching held at most ");
+    let fullest = numbers_after(&stdout, "at its fullest the pool held ");
     Report {
         fullest_pool: (fullest[0], fullest[1]),
         batched_peak_mib,
@@ -217,19 +167,12 @@ fn bad_options_are_refused_with_the_usage() {
             "`--arrival-ms` takes a number of milliseconds, not `-1`",
         ),
     ] {
-        let run = output_within(
-            Command::new(example_binary("serve_encoder_decoder")).args(args),
-            EXAMPLE_LIMIT,
-        );
-        let stderr = String::from_utf8_lossy(&run.stderr);
-        assert_eq!(run.status.code(), Some(2), "{args:?}: {stderr}");
-        assert!(
-            stderr.contains(error)
-                && stderr.contains(
-                    "usage: serve_encoder_decoder [--device flex|ndarray|wgpu] [--beams N] \
-                     [--pool-blocks N] [--joins-per-step N] [--arrival-ms N]"
-                ),
-            "{stderr}"
+        refused(
+            "serve_encoder_decoder",
+            args,
+            error,
+            "usage: serve_encoder_decoder [--device flex|ndarray|wgpu] [--beams N] \
+             [--pool-blocks N] [--joins-per-step N] [--arrival-ms N]",
         );
     }
 }

@@ -1,29 +1,13 @@
 //! The `serve` example end to end on flex: continuous batching, static batches of padded
 //! prompts and one request at a time give every request the same tokens, but at a near tie of
-//! its two largest logits (the example exits 1 otherwise), with and without a sliding window and with a pool too small for the stream, whose
-//! requests are preempted and recomputed; each way reports its peak cache memory, stored within
-//! allocated (less under the window, within the pool's bound); prompts fed in chunks give the
-//! same tokens; bad options are refused.
+//! its two largest logits (the example exits 1 otherwise), with and without a sliding window
+//! and with a pool too small for the stream, whose requests are preempted and recomputed; each
+//! way reports its peak cache memory, stored within allocated (less under the window, within
+//! the pool's bound); prompts fed in chunks give the same tokens; bad options are refused.
 
 mod common;
 
-use std::process::Command;
-use std::time::Duration;
-
-use common::{example_binary, output_within};
-
-/// Far more than the example takes (a few seconds); a run that loops fails here.
-const EXAMPLE_LIMIT: Duration = Duration::from_secs(300);
-
-/// The MiB figures of a table row's last cell, `stored MiB / allocated MiB`.
-fn peak_memory(row: &str) -> (f64, f64) {
-    let cell = row.trim_end_matches(" |").rsplit(" | ").next().unwrap();
-    let mib: Vec<f64> = cell
-        .split(" / ")
-        .map(|part| part.trim_end_matches(" MiB").parse().unwrap())
-        .collect();
-    (mib[0], mib[1])
-}
+use common::served::{numbers_after, peak_mib, refused, same_tokens, stdout_of};
 
 /// What a run of the example reported.
 struct Report {
@@ -38,57 +22,17 @@ struct Report {
     most_prompt_rows: usize,
 }
 
-/// The example's output with `args`, checked: every request the same tokens both ways, or
+/// The example's output with `args`, checked: every request the same tokens every way, or
 /// parted at a near tie (the example fails otherwise), and each way's peak cache memory stored
 /// within allocated.
 fn served(args: &[&str]) -> Report {
-    let run = output_within(
-        Command::new(example_binary("serve")).args(args),
-        EXAMPLE_LIMIT,
-    );
-    let stdout = String::from_utf8_lossy(&run.stdout);
-    assert!(
-        run.status.success(),
-        "{args:?}: {stdout}\n{}",
-        String::from_utf8_lossy(&run.stderr)
-    );
+    let stdout = stdout_of("serve", args);
     // Continuous batching and static batches, each against one at a time.
-    for ways in ["both ways", "in static batches as alone"] {
-        let same: usize = stdout
-            .lines()
-            .find_map(|line| {
-                line.strip_suffix(&format!(" of 32 requests got the same tokens {ways}"))
-            })
-            .unwrap_or_else(|| panic!("no count of requests with the same tokens {ways}: {stdout}"))
-            .parse()
-            .unwrap();
-        // The example exits 1 where a request parts but at a near tie; near ties are rare
-        // (none in any run so far), so many would mean decisions excused that should not be.
-        assert!(same >= 28, "{stdout}");
-    }
-    let peak_mib = [
-        "| continuous batching",
-        "| static batches",
-        "| one at a time",
-    ]
-    .map(|way| {
-        let row = stdout
-            .lines()
-            .find(|line| line.starts_with(way))
-            .unwrap_or_else(|| panic!("no row {way}: {stdout}"));
-        let (stored, allocated) = peak_memory(row);
-        assert!(0.0 < stored && stored <= allocated, "{row}");
-        (stored, allocated)
-    });
-    let preempted = stdout
-        .lines()
-        .find_map(|line| line.strip_prefix("continuous batching preempted requests "))
-        .unwrap_or_else(|| panic!("no count of preemptions: {stdout}"));
-    let numbers: Vec<usize> = preempted
-        .split(|c: char| !c.is_ascii_digit())
-        .filter(|part| !part.is_empty())
-        .map(|part| part.parse().unwrap())
-        .collect();
+    same_tokens(&stdout, "both ways");
+    same_tokens(&stdout, "in static batches as alone");
+    let peak_mib = ["continuous batching", "static batches", "one at a time"]
+        .map(|way| peak_mib(&stdout, way));
+    let numbers = numbers_after(&stdout, "continuous batching preempted requests ");
     Report {
         peak_mib,
         preempted: (numbers[0], numbers[2]),
@@ -210,19 +154,12 @@ fn bad_options_are_refused_with_the_usage() {
              25), not `24`",
         ),
     ] {
-        let run = output_within(
-            Command::new(example_binary("serve")).args(args),
-            EXAMPLE_LIMIT,
-        );
-        let stderr = String::from_utf8_lossy(&run.stderr);
-        assert_eq!(run.status.code(), Some(2), "{args:?}: {stderr}");
-        assert!(
-            stderr.contains(error)
-                && stderr.contains(
-                    "usage: serve [--device flex|ndarray|wgpu] [--window N] [--pool-blocks N] \
-                     [--prefill-chunk N] [--arrival-ms N]"
-                ),
-            "{stderr}"
+        refused(
+            "serve",
+            &args,
+            error,
+            "usage: serve [--device flex|ndarray|wgpu] [--window N] [--pool-blocks N] \
+             [--prefill-chunk N] [--arrival-ms N]",
         );
     }
 }

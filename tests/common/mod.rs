@@ -5,6 +5,8 @@ use std::path::PathBuf;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+pub mod served;
+
 /// The example `name`'s binary, built by `cargo test` beside this test's:
 /// `target/<profile>/deps/<test>` → `target/<profile>/examples/<name>`.
 ///
