@@ -431,7 +431,7 @@ fn a_step_taken_back_leaves_the_cache_as_it_was_but_for_the_filings_it_overwrote
     };
     assert_ne!(shared_block(&cache), shared_block(&before), "written over");
 
-    let overwritten = cache.undo_last_step();
+    let overwritten = PagedKvCache::take_back(std::slice::from_mut(&mut cache), &mut []);
     assert_eq!(overwritten.len(), 1, "x's filed block");
     let mut expected = before;
     expected.forget_overwritten(&overwritten);
@@ -449,7 +449,7 @@ fn a_step_taken_back_leaves_the_cache_as_it_was_but_for_the_filings_it_overwrote
 fn taken_back(cache: &mut PagedKvCache, runs: &[(SequenceId, usize)]) -> Vec<usize> {
     let before = cache.clone();
     numbered_step(cache, owner_of(cache), runs, 500.0);
-    let overwritten = cache.undo_last_step();
+    let overwritten = PagedKvCache::take_back(std::slice::from_mut(cache), &mut []);
     let mut expected = before.clone();
     expected.forget_overwritten(&overwritten);
     assert!(

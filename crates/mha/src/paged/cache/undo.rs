@@ -127,21 +127,23 @@ fn restores(cache: &PagedKvCache, step: &PagedStep) -> Vec<BlockCopy> {
 }
 
 impl PagedKvCache {
-    /// Keeps what each step changes from now on, for [`undo_last_step`](Self::undo_last_step):
+    /// Keeps what each step changes from now on, for [`take_back`](Self::take_back):
     /// the blocks it took and copied and its sequences' tables, until the next step.
     pub(crate) fn keep_undo(&mut self) {
         self.undo = UndoLog::On(None);
     }
 
     /// Takes back the last step stored by each of `stored` (the layers before the one that
-    /// refused it), and has every layer, `stored` and `later`, forget the filings of the filed
-    /// blocks any of them wrote into: the same blocks, in the same order, so that alike layers
-    /// keep the same free lists, in the same order, and take the same blocks at later steps.
+    /// refused it; a cache alone is a stack of one), and has every layer, `stored` and `later`,
+    /// forget the filings of the filed blocks any of them wrote into: the same blocks, in the
+    /// same order, so that alike layers keep the same free lists, in the same order, and take
+    /// the same blocks at later steps. Gives those blocks.
     ///
     /// # Panics
     ///
-    /// As [`undo_last_step`](Self::undo_last_step), for a cache of `stored`.
-    pub(crate) fn take_back(stored: &mut [PagedKvCache], later: &mut [PagedKvCache]) {
+    /// If a cache of `stored` does not keep its steps ([`keep_undo`](Self::keep_undo)) or has
+    /// no step to take back.
+    pub(crate) fn take_back(stored: &mut [PagedKvCache], later: &mut [PagedKvCache]) -> Vec<usize> {
         let mut overwritten: Vec<usize> = Vec::new();
         for cache in stored.iter_mut() {
             for block in cache.undo_last_step() {
@@ -153,18 +155,14 @@ impl PagedKvCache {
         for cache in stored.iter_mut().chain(later) {
             cache.forget_overwritten(&overwritten);
         }
+        overwritten
     }
 
     /// Takes back the last step stored: every sequence holds the positions and blocks it held
     /// before it, with what they held. Gives the filed blocks the step wrote into, in the order
-    /// it took them, which it has forgotten and every other layer of the stack must forget
-    /// ([`forget_overwritten`](Self::forget_overwritten), in that order).
-    ///
-    /// # Panics
-    ///
-    /// If the cache does not keep its steps ([`keep_undo`](Self::keep_undo)) or has no step to
-    /// take back.
-    pub(crate) fn undo_last_step(&mut self) -> Vec<usize> {
+    /// it took them, whose filings the cache still holds: they no longer hold what they were
+    /// filed under, and [`take_back`](Self::take_back) has every layer forget them.
+    fn undo_last_step(&mut self) -> Vec<usize> {
         let UndoLog::On(last) = &mut self.undo else {
             panic!("PagedKvCache::undo_last_step: the cache keeps no steps");
         };
@@ -192,7 +190,6 @@ impl PagedKvCache {
             // The step was the first: the next may be another module's, of other shapes.
             (self.key, self.value) = (None, None);
         }
-        self.forget_overwritten(&undo.overwritten_filings);
         undo.overwritten_filings
     }
 
