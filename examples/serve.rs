@@ -448,6 +448,20 @@ fn full_prompt(request: &Request) -> Vec<i64> {
     [system_prompt().as_slice(), &request.prompt].concat()
 }
 
+/// What the `KvCache`s of a stack hold for a batch of `rows`: the positions they store (a
+/// static batch's padding included), and their buffers with the room they keep to grow.
+fn cache_bytes(cache: &TransformerEncoderCache, rows: usize) -> CacheBytes {
+    CacheBytes {
+        stored: cache
+            .layers
+            .iter()
+            .map(|layer| rows * layer.stored())
+            .sum::<usize>()
+            * POSITION_BYTES,
+        allocated: cache.layers.iter().map(|layer| layer.bytes()).sum(),
+    }
+}
+
 /// One request at a time, in arrival order, each with its own `KvCache` per layer, its system
 /// prompt prefilled with its own prompt.
 fn serve_one_at_a_time(model: &Model, requests: &[Request], device: &Device) -> Served {
@@ -466,15 +480,7 @@ fn serve_one_at_a_time(model: &Model, requests: &[Request], device: &Device) -> 
             generated.extend(model.step_cached(&[last], 1, None, &mut cache, device));
             times.push(started.elapsed());
         }
-        peak_cache = peak_cache.peak(CacheBytes {
-            stored: cache
-                .layers
-                .iter()
-                .map(|layer| layer.stored())
-                .sum::<usize>()
-                * POSITION_BYTES,
-            allocated: cache.layers.iter().map(|layer| layer.bytes()).sum(),
-        });
+        peak_cache = peak_cache.peak(cache_bytes(&cache, 1));
         tokens.push(generated.iter().map(|choice| choice.token).collect());
         decisions.push(generated.iter().map(Choice::decision).collect());
         token_times.push(times);
@@ -494,8 +500,9 @@ fn serve_one_at_a_time(model: &Model, requests: &[Request], device: &Device) -> 
 /// batch and decode together; a finished request leaves it (`select_batch`), but none joins
 /// until it is empty, since a `KvCache` batch's rows share one length. Prompts are padded in
 /// front to the longest, the padding masked out of every key (RoPE's scores depend only on
-/// the distance between positions, so a request's tokens do not depend on its padding), and
-/// stored: every row of the batch holds the longest prompt's positions.
+/// the distance between positions, so a request's tokens depend on its padding through
+/// rounding only: at a near tie, reported), and stored: every row of the batch holds the
+/// longest prompt's positions.
 fn serve_in_static_batches(model: &Model, requests: &[Request], device: &Device) -> Served {
     let mut served = Served {
         tokens: vec![Vec::new(); requests.len()],
@@ -559,15 +566,7 @@ fn serve_a_static_batch(
             served.decisions[request].push(choice.decision());
             served.token_times[request].push(now);
         }
-        served.peak_cache = served.peak_cache.peak(CacheBytes {
-            stored: cache
-                .layers
-                .iter()
-                .map(|layer| rows.len() * layer.stored())
-                .sum::<usize>()
-                * POSITION_BYTES,
-            allocated: cache.layers.iter().map(|layer| layer.bytes()).sum(),
-        });
+        served.peak_cache = served.peak_cache.peak(cache_bytes(&cache, rows.len()));
         let still: Vec<usize> = (0..rows.len())
             .filter(|&row| served.tokens[rows[row]].len() < requests[rows[row]].output_len)
             .collect();
@@ -651,7 +650,7 @@ fn main() {
          {LAYERS}-layer causal Transformer, d_model {D_MODEL}, 8 query / 2 key-value heads, \
          each query attending to {attends}, greedy decoding\n"
     );
-    // A short warm-up, so that neither way pays for first-use costs (allocator, threads).
+    // A short warm-up, so that no way pays for first-use costs (allocator, threads).
     serve_one_at_a_time(&model, &requests[..1], &device);
     let (batched, scheduled) =
         ContinuousBatching::new(&model, &requests, &settings, &device).serve();
@@ -684,6 +683,6 @@ fn main() {
          {recomputed} positions computed again) and fed at most {} prompt rows in a step",
         scheduled.most_prompt_rows
     );
-    check_same_tokens("both ways", &batched, &alone);
+    check_same_tokens("continuously batched as alone", &batched, &alone);
     check_same_tokens("in static batches as alone", &in_batches, &alone);
 }

@@ -359,11 +359,11 @@ pub fn partings(first: &Served, second: &Served) -> Vec<Parting> {
         .collect()
 }
 
-/// Prints how many requests got the same tokens from `batched` and `alone`, served the two ways
+/// Prints how many requests got the same tokens from `first` and `second`, served the two ways
 /// `ways` names ("both ways", say), and exits with status 1, naming the requests and where
 /// their decisions part, if one parted but at a near tie ([`partings`]).
-pub fn check_same_tokens(ways: &str, batched: &Served, alone: &Served) {
-    let (ties, parted): (Vec<Parting>, Vec<Parting>) = partings(batched, alone)
+pub fn check_same_tokens(ways: &str, first: &Served, second: &Served) {
+    let (ties, parted): (Vec<Parting>, Vec<Parting>) = partings(first, second)
         .into_iter()
         .partition(Parting::at_a_near_tie);
     let describe = |partings: &[Parting]| {
@@ -378,7 +378,7 @@ pub fn check_same_tokens(ways: &str, batched: &Served, alone: &Served) {
             .collect::<Vec<_>>()
             .join(", ")
     };
-    let requests = batched.tokens.len();
+    let requests = first.tokens.len();
     let same = requests - ties.len() - parted.len();
     println!("{same} of {requests} requests got the same tokens {ways}");
     if !ties.is_empty() {

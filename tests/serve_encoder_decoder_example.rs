@@ -8,13 +8,13 @@
 
 mod common;
 
-use common::served::{numbers_after, peak_mib, refused, same_tokens, stdout_of};
+use common::served::{PeakMib, numbers_after, peak_mib, refused, same_tokens, stdout_of};
 
 /// What a run of the example reported.
 #[derive(Debug)]
 struct Report {
     /// Continuous batching's peak cache memory, stored and allocated, in MiB.
-    batched_peak_mib: (f64, f64),
+    batched_peak_mib: PeakMib,
     /// The most requests continuous batching held at once.
     most_in_flight: usize,
     /// The most blocks they reserved, of the pool's.
@@ -125,7 +125,7 @@ fn a_pool_too_small_for_the_stream_makes_requests_wait_for_blocks() {
     let position_bytes = 2 * 32 * 4 * 2;
     let bound_bytes =
         24 * 16 * position_bytes * 2 + report.most_in_flight * 320 * position_bytes * 2;
-    let (stored, allocated) = report.batched_peak_mib;
+    let PeakMib { stored, allocated } = report.batched_peak_mib;
     assert!(
         allocated <= bound_bytes as f64 / (1 << 20) as f64,
         "{stored} / {allocated} MiB"

@@ -7,13 +7,12 @@
 
 mod common;
 
-use common::served::{numbers_after, peak_mib, refused, same_tokens, stdout_of};
+use common::served::{PeakMib, numbers_after, peak_mib, refused, same_tokens, stdout_of};
 
 /// What a run of the example reported.
 struct Report {
-    /// Each way's peak cache memory, stored and allocated, in MiB: continuous batching, static
-    /// batches, one at a time.
-    peak_mib: [(f64, f64); 3],
+    /// Each way's peak cache memory: continuous batching, static batches, one at a time.
+    peak_mib: [PeakMib; 3],
     /// Times continuous batching preempted a request, and the positions computed again.
     preempted: (usize, usize),
     /// Those of the preemptions that took a request still prefilling its prompt.
@@ -28,7 +27,7 @@ struct Report {
 fn served(args: &[&str]) -> Report {
     let stdout = stdout_of("serve", args);
     // Continuous batching and static batches, each against one at a time.
-    same_tokens(&stdout, "both ways");
+    same_tokens(&stdout, "continuously batched as alone");
     same_tokens(&stdout, "in static batches as alone");
     let peak_mib = ["continuous batching", "static batches", "one at a time"]
         .map(|way| peak_mib(&stdout, way));
@@ -57,10 +56,10 @@ fn continuous_batching_serves_every_request_the_tokens_of_serving_it_alone() {
         .zip(windowed.peak_mib.iter().zip(every_position.peak_mib))
     {
         assert!(
-            window.0 < all.0,
+            window.stored < all.stored,
             "{way}: {} MiB stored under a window, {} without",
-            window.0,
-            all.0
+            window.stored,
+            all.stored
         );
     }
 }
@@ -86,7 +85,7 @@ fn a_pool_too_small_for_the_stream_preempts_and_recomputes_to_the_same_tokens() 
     // The pool's bound: 48 blocks of 16 positions of two key/value heads of 32 f32 values,
     // keys and values, in each of the two layers.
     let bound_mib = (48 * 16 * 2 * 32 * 4 * 2 * 2) as f64 / (1 << 20) as f64;
-    let (stored, allocated) = small.peak_mib[0];
+    let PeakMib { stored, allocated } = small.peak_mib[0];
     assert!(
         stored <= allocated && allocated <= bound_mib,
         "{stored} / {allocated} MiB"

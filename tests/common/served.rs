@@ -51,13 +51,22 @@ pub fn same_tokens(stdout: &str, ways: &str) -> usize {
     same
 }
 
-/// The peak cache memory, stored and allocated, in MiB, of the table's row of `way` (the row
-/// that starts with `| {way}`; its last cell is `stored MiB / allocated MiB`).
+/// A way's cache memory when it stored the most, in MiB.
+#[derive(Debug, Clone, Copy)]
+pub struct PeakMib {
+    /// What the sequences in flight stored.
+    pub stored: f64,
+    /// What the caches had allocated then.
+    pub allocated: f64,
+}
+
+/// The peak cache memory of the table's row of `way` (the row that starts with `| {way}`; its
+/// last cell is `stored MiB / allocated MiB`).
 ///
 /// # Panics
 ///
 /// If there is no such row, or it stored nothing or more than it had allocated.
-pub fn peak_mib(stdout: &str, way: &str) -> (f64, f64) {
+pub fn peak_mib(stdout: &str, way: &str) -> PeakMib {
     let row = stdout
         .lines()
         .find(|line| line.starts_with(&format!("| {way}")))
@@ -68,7 +77,10 @@ pub fn peak_mib(stdout: &str, way: &str) -> (f64, f64) {
         .map(|part| part.trim_end_matches(" MiB").parse().unwrap())
         .collect();
     assert!(0.0 < mib[0] && mib[0] <= mib[1], "{row}");
-    (mib[0], mib[1])
+    PeakMib {
+        stored: mib[0],
+        allocated: mib[1],
+    }
 }
 
 /// The numbers of the line that starts with `prefix`, in order.

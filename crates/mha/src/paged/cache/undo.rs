@@ -164,7 +164,7 @@ impl PagedKvCache {
     /// filed under, and [`take_back`](Self::take_back) has every layer forget them.
     fn undo_last_step(&mut self) -> Vec<usize> {
         let UndoLog::On(last) = &mut self.undo else {
-            panic!("PagedKvCache::undo_last_step: the cache keeps no steps");
+            panic!("PagedKvCache::take_back: the cache keeps no steps");
         };
         let undo = *last.take().expect("a stored step to take back");
         if !undo.restores.is_empty() {
