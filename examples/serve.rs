@@ -6,10 +6,12 @@
 //! shared); static batches with a `KvCache` per layer, what batching takes without a paged cache
 //! (the requests that arrived while the last batch ran, their prompts padded in front to the
 //! longest; a finished request leaves, none joins until the batch is done); and one request at a
-//! time with a `KvCache` per layer. All decode greedily, so each request must get the same tokens
-//! every way, unless its two largest logits were within rounding of each other (a near tie,
-//! reported): the example fails (exit status 1), naming the requests and where their tokens
-//! part, if one does not. It prints tokens per second, time to first token, time between a
+//! time with a `KvCache` per layer. All decode greedily, or with `--temperature T` sample each
+//! token with a uniform number drawn from the request and the token's place in its answer, so
+//! each request must get the same tokens every way, unless a choice was within rounding of
+//! going the other way (two largest logits, or a draw and a boundary of cumulative probability,
+//! that close: a near tie, reported): the example fails (exit status 1), naming the requests
+//! and where their tokens part, if one does not. It prints tokens per second, time to first token, time between a
 //! request's tokens and peak cache memory for each way: the bytes the sequences in flight store
 //! (the pool's blocks in use, each sequence's last one whole; a `KvCache`'s positions, a static
 //! batch's padding included), and the bytes the caches had allocated at that moment (the pool's
@@ -17,8 +19,9 @@
 //!
 //! Requests join without a reservation for the tokens they will generate, as vLLM schedules:
 //! when the pool lacks a block for a step (a request's next token or prompt rows), the request
-//! that joined last is preempted (its blocks go back to the pool) and comes back first, its prompt and the tokens it
-//! had generated recomputed but for the whole blocks the cache still holds. `--pool-blocks N`
+//! that joined last is preempted (its blocks go back to the pool) and comes back first, its
+//! prompt and the tokens it had generated recomputed but for the whole blocks the cache still
+//! holds. `--pool-blocks N`
 //! bounds the pool (512 blocks of 16 per layer by default, which hold the stream's peak); a
 //! smaller pool preempts, and the example prints how often. `--prefill-chunk N` feeds at most
 //! `N` prompt rows a step (vLLM's chunked prefill): a long prompt is prefilled over several
@@ -38,6 +41,7 @@
 //! cargo run --release --example serve -- --pool-blocks 48
 //! cargo run --release --example serve -- --prefill-chunk 32
 //! cargo run --release --example serve -- --arrival-ms 0   # all at once
+//! cargo run --release --example serve -- --temperature 0.8   # sampled, a seed per request
 //! ```
 
 use std::collections::VecDeque;
@@ -46,8 +50,8 @@ use std::time::{Duration, Instant};
 use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig};
 use burn::tensor::{Bool, Device, Tensor};
 use burn_mha::serving::{
-    CacheBytes, Choice, Decision, Numbers, Served, TABLE_HEADER, check_same_tokens, embed, greedy,
-    last_rows, report, space_arrivals,
+    CacheBytes, Choice, Decision, Decoding, Numbers, Served, TABLE_HEADER, TokenSlot,
+    check_same_tokens, embed, last_rows, report, space_arrivals,
 };
 use burn_mha::{ProgramOptions, device_and_options};
 use mha::transformer::{
@@ -71,6 +75,13 @@ const BLOCK_SIZE: usize = 16;
 const POOL_BLOCKS: usize = 512;
 /// Tokens of the system prompt every request starts with (four whole blocks).
 const SYSTEM_PROMPT: usize = 64;
+/// The seed of `--temperature`'s draws, mixed with each request's index.
+const SAMPLING_SEED: u64 = 0x5eed;
+/// The lowest `--temperature`: below it the ways' rounding, divided by the temperature, could
+/// move a sampled choice by more than [`burn_mha::serving::NEAR_TIE`], which would excuse it.
+const LEAST_TEMPERATURE: f32 = 0.05;
+/// The highest `--temperature`: far past it every token is about as likely.
+const MOST_TEMPERATURE: f32 = 100.0;
 
 /// One client's request: its own prompt (after the system prompt) and how many tokens it wants
 /// back.
@@ -104,16 +115,19 @@ fn requests() -> Vec<Request> {
         .collect()
 }
 
-/// Embedding, a causal Transformer stack, and a head to the vocabulary.
+/// Embedding, a causal Transformer stack, a head to the vocabulary, and how the next token is
+/// picked from its logits.
 struct Model {
     embedding: Embedding,
     stack: TransformerEncoder,
     head: Linear,
+    decoding: Decoding,
 }
 
 impl Model {
-    /// A random model whose layers attend within `window` positions, if any.
-    fn new(window: Option<usize>, device: &Device) -> Self {
+    /// A random model whose layers attend within `window` positions, if any, decoding as
+    /// `decoding` says.
+    fn new(window: Option<usize>, decoding: Decoding, device: &Device) -> Self {
         Self {
             embedding: EmbeddingConfig::new(VOCAB, D_MODEL).init(device),
             stack: TransformerEncoderConfig::new(D_MODEL, 4 * D_MODEL, HEADS, LAYERS)
@@ -125,6 +139,7 @@ impl Model {
                 .with_dropout(0.0)
                 .init(device),
             head: LinearConfig::new(D_MODEL, VOCAB).init(device),
+            decoding,
         }
     }
 
@@ -132,12 +147,13 @@ impl Model {
         embed(&self.embedding, tokens, device)
     }
 
-    /// Greedy next tokens of one paged step: `tokens[i]` belongs to `sequences[i]`; one token
-    /// per run of rows (its last row's).
+    /// The next tokens of one paged step: `tokens[i]` belongs to `sequences[i]`; one token per
+    /// run of rows (its last row's), run `r`'s for `slots[r]`.
     fn step_paged(
         &self,
         tokens: &[i64],
         sequences: &[SequenceId],
+        slots: &[TokenSlot],
         cache: &mut PagedTransformerCache,
         device: &Device,
     ) -> Vec<Choice> {
@@ -146,20 +162,22 @@ impl Model {
             .stack
             .forward_paged(x, cache, sequences)
             .expect("admission and preemption keep every step within the pool");
-        greedy(self.head.forward(last_rows(hidden, sequences)))
+        self.decoding
+            .choose(self.head.forward(last_rows(hidden, sequences)), slots)
     }
 
-    /// The greedy next token of each of `batch` rows fed to `cache`: `tokens` holds the rows
-    /// one after another, all as long, and `padding` (`[batch, len]`, `true` = padding) marks
-    /// the positions no query may attend to.
+    /// The next token of each row fed to `cache`, row `i`'s for `slots[i]`: `tokens` holds the
+    /// rows one after another, all as long, and `padding` (`[rows, len]`, `true` = padding)
+    /// marks the positions no query may attend to.
     fn step_cached(
         &self,
         tokens: &[i64],
-        batch: usize,
+        slots: &[TokenSlot],
         padding: Option<Tensor<2, Bool>>,
         cache: &mut TransformerEncoderCache,
         device: &Device,
     ) -> Vec<Choice> {
+        let batch = slots.len();
         let len = tokens.len() / batch;
         let mut input =
             TransformerEncoderInput::new(self.embed(tokens, device).reshape([batch, len, D_MODEL]));
@@ -171,7 +189,7 @@ impl Model {
             .forward_cached(input, cache)
             .expect("the stack's own caches take every step");
         let last = hidden.narrow(1, len - 1, 1).reshape([batch, D_MODEL]);
-        greedy(self.head.forward(last))
+        self.decoding.choose(self.head.forward(last), slots)
     }
 }
 
@@ -408,9 +426,25 @@ impl<'a> ContinuousBatching<'a> {
         let prompt_rows: usize = plan.parts.iter().map(|&(_, rows)| rows).sum();
         let most = &mut self.scheduled.most_prompt_rows;
         *most = (*most).max(prompt_rows);
-        let next =
-            self.model
-                .step_paged(&plan.tokens, &plan.sequences, &mut self.cache, self.device);
+        // Each part's token (dropped where the part is a chunk of a prompt).
+        let slots: Vec<TokenSlot> = plan
+            .parts
+            .iter()
+            .map(|&(index, _)| {
+                let request = self.running[index].request;
+                TokenSlot {
+                    request,
+                    index: self.tokens[request].len(),
+                }
+            })
+            .collect();
+        let next = self.model.step_paged(
+            &plan.tokens,
+            &plan.sequences,
+            &slots,
+            &mut self.cache,
+            self.device,
+        );
         let now = self.started.elapsed();
         self.peak_cache = self.peak_cache.peak(CacheBytes {
             stored: self.cache.bytes_in_use(),
@@ -469,15 +503,22 @@ fn serve_one_at_a_time(model: &Model, requests: &[Request], device: &Device) -> 
     let mut peak_cache = CacheBytes::default();
     let started = Instant::now();
     let system = system_prompt();
-    for request in requests {
+    for (index, request) in requests.iter().enumerate() {
         std::thread::sleep(request.arrival.saturating_sub(started.elapsed()));
+        let slot = |generated: &[Choice]| {
+            [TokenSlot {
+                request: index,
+                index: generated.len(),
+            }]
+        };
         let mut cache = model.stack.new_cache();
         let prompt = [system.as_slice(), &request.prompt].concat();
-        let mut generated = model.step_cached(&prompt, 1, None, &mut cache, device);
+        let mut generated = model.step_cached(&prompt, &slot(&[]), None, &mut cache, device);
         let mut times = vec![started.elapsed()];
         while generated.len() < request.output_len {
             let last = generated.last().expect("a first token").token;
-            generated.extend(model.step_cached(&[last], 1, None, &mut cache, device));
+            let slot = slot(&generated);
+            generated.extend(model.step_cached(&[last], &slot, None, &mut cache, device));
             times.push(started.elapsed());
         }
         peak_cache = peak_cache.peak(cache_bytes(&cache, 1));
@@ -556,9 +597,18 @@ fn serve_a_static_batch(
     let padding =
         Tensor::<1, Bool>::from_data(padding.as_slice(), device).reshape([batch.len(), longest]);
     let mut cache = model.stack.new_cache();
-    let mut choices = model.step_cached(&tokens, batch.len(), Some(padding), &mut cache, device);
     // The batch's requests still decoding, in the cache's row order.
     let mut rows: Vec<usize> = batch.to_vec();
+    let slots = |rows: &[usize], served: &Served| -> Vec<TokenSlot> {
+        rows.iter()
+            .map(|&request| TokenSlot {
+                request,
+                index: served.tokens[request].len(),
+            })
+            .collect()
+    };
+    let first = slots(&rows, served);
+    let mut choices = model.step_cached(&tokens, &first, Some(padding), &mut cache, device);
     loop {
         let now = started.elapsed();
         for (&request, choice) in rows.iter().zip(&choices) {
@@ -581,7 +631,8 @@ fn serve_a_static_batch(
             .iter()
             .map(|&request| *served.tokens[request].last().expect("a first token"))
             .collect();
-        choices = model.step_cached(&last, rows.len(), None, &mut cache, device);
+        let next = slots(&rows, served);
+        choices = model.step_cached(&last, &next, None, &mut cache, device);
     }
 }
 
@@ -593,10 +644,11 @@ struct Settings {
     prefill_chunk: Option<usize>,
     /// Milliseconds between two requests' arrivals (0: all at once).
     arrival_ms: u64,
+    decoding: Decoding,
 }
 
-/// Reads `--window N`, `--pool-blocks N`, `--prefill-chunk N` and `--arrival-ms N`; a bad value
-/// exits with the usage.
+/// Reads `--window N`, `--pool-blocks N`, `--prefill-chunk N`, `--arrival-ms N` and
+/// `--temperature T`; a bad value exits with the usage.
 fn settings(options: &ProgramOptions, requests: &[Request]) -> Settings {
     let number = |flag: &str, least: usize, what: &str| options.number(flag, least, what);
     // The pool must hold the longest request whole, its prompt and every token it wants: a
@@ -617,6 +669,22 @@ fn settings(options: &ProgramOptions, requests: &[Request]) -> Settings {
         prefill_chunk: number("--prefill-chunk", 1, "a number of rows (at least 1)"),
         arrival_ms: number("--arrival-ms", 0, "a number of milliseconds")
             .map_or(ARRIVAL_INTERVAL_MS, |ms| ms as u64),
+        decoding: options
+            .value("--temperature")
+            .map_or(Decoding::Greedy, |value| match value.parse::<f32>() {
+                Ok(temperature)
+                    if (LEAST_TEMPERATURE..=MOST_TEMPERATURE).contains(&temperature) =>
+                {
+                    Decoding::Sampled {
+                        temperature,
+                        seed: SAMPLING_SEED,
+                    }
+                }
+                _ => options.fail(&format!(
+                    "`--temperature` takes a number from {LEAST_TEMPERATURE} to \
+                     {MOST_TEMPERATURE}, not `{value}`"
+                )),
+            }),
     }
 }
 
@@ -628,6 +696,7 @@ fn main() {
             ("--pool-blocks", "N"),
             ("--prefill-chunk", "N"),
             ("--arrival-ms", "N"),
+            ("--temperature", "T"),
         ],
     );
     let mut requests = requests();
@@ -637,8 +706,14 @@ fn main() {
         settings.arrival_ms,
     );
     device.seed(7);
-    let model = Model::new(settings.window, &device);
+    let model = Model::new(settings.window, settings.decoding, &device);
     let wanted: usize = requests.iter().map(|r| r.output_len).sum();
+    let decoding = match settings.decoding {
+        Decoding::Greedy => "greedy decoding".to_string(),
+        Decoding::Sampled { temperature, .. } => {
+            format!("tokens sampled at temperature {temperature}, a seed per request")
+        }
+    };
     let attends = settings
         .window
         .map_or("every position before it".to_string(), |window| {
@@ -648,7 +723,7 @@ fn main() {
         "{REQUESTS} requests on {name}, {arriving}: a {SYSTEM_PROMPT}-token \
          system prompt then 16-192 tokens of their own, {wanted} tokens wanted in all; a \
          {LAYERS}-layer causal Transformer, d_model {D_MODEL}, 8 query / 2 key-value heads, \
-         each query attending to {attends}, greedy decoding\n"
+         each query attending to {attends}, {decoding}\n"
     );
     // A short warm-up, so that no way pays for first-use costs (allocator, threads).
     serve_one_at_a_time(&model, &requests[..1], &device);

@@ -1,5 +1,6 @@
 //! What the serving examples (`serve`, `serve_encoder_decoder`) share: a deterministic stream
-//! of numbers for their requests, greedy choices with the margin that tells a near tie, what
+//! of numbers for their requests, greedy and sampled choices with the margin that tells a near
+//! tie, what
 //! serving a stream one way measured and its table row, and the check that two ways gave every
 //! request the same tokens.
 
@@ -50,14 +51,15 @@ pub fn space_arrivals<'a>(
     }
 }
 
-/// A greedy choice: the token of the largest logit, and how far that logit lies above the
-/// runner-up's (two ways that compute the same logits to within rounding may choose apart only
-/// where this margin is about as small as the rounding).
+/// A choice of the next token, and the margin it was chosen by: two ways that compute the same
+/// logits to within rounding may choose apart only where this margin is about as small as the
+/// rounding.
 #[derive(Debug, Clone, Copy)]
 pub struct Choice {
     /// The token chosen.
     pub token: i64,
-    /// Its logit less the runner-up's.
+    /// Greedy ([`greedy`]): its logit less the runner-up's. Sampled ([`sample`]): how far the
+    /// uniform number lay from the nearest boundary of two tokens' cumulative probabilities.
     pub margin: f32,
 }
 
@@ -110,6 +112,117 @@ pub fn greedy(logits: Tensor<2>) -> Vec<Choice> {
             }
         })
         .collect()
+}
+
+/// How a serving example picks each next token: greedily, or by sampling at a temperature
+/// with a seed of its own per request, so that a request's tokens do not depend on which other
+/// requests it was batched with (vLLM's per-request seed).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Decoding {
+    /// The largest logit's token ([`greedy`]).
+    Greedy,
+    /// A token drawn from `softmax(logits / temperature)` with the uniform number [`draw`]
+    /// gives the request and the token's place in its answer.
+    Sampled {
+        /// Divides the logits: below 1 sharper than the model's distribution, above 1 flatter.
+        temperature: f32,
+        /// The stream's seed, mixed with each request's index.
+        seed: u64,
+    },
+}
+
+/// Which token of which request a row of logits decides: what [`Decoding::Sampled`] draws
+/// for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TokenSlot {
+    /// The request, by its index in the stream.
+    pub request: usize,
+    /// The token's place in the request's answer (0: its first).
+    pub index: usize,
+}
+
+impl Decoding {
+    /// Each row's choice of `logits` (`[rows, vocab]`), row `i` deciding `slots[i]`.
+    ///
+    /// # Panics
+    ///
+    /// If the logits are not f32, or `slots` does not name one slot per row.
+    pub fn choose(&self, logits: Tensor<2>, slots: &[TokenSlot]) -> Vec<Choice> {
+        let [rows, _] = logits.dims();
+        assert_eq!(
+            slots.len(),
+            rows,
+            "Decoding::choose: `slots` must name one slot per row of `logits`"
+        );
+        match *self {
+            Decoding::Greedy => greedy(logits),
+            Decoding::Sampled { temperature, seed } => {
+                let [_, vocab] = logits.dims();
+                let logits = logits.into_data().try_to_vec::<f32>().expect("f32 logits");
+                logits
+                    .chunks_exact(vocab)
+                    .zip(slots)
+                    .map(|(row, &slot)| sample(row, temperature, draw(seed, slot)))
+                    .collect()
+            }
+        }
+    }
+}
+
+/// The uniform number in `[0, 1)` that [`Decoding::Sampled`] with `seed` draws for `slot`: a
+/// hash of the three (SplitMix64's finaliser), not a stream's next number, so that it does not
+/// depend on the order in which a way decides its requests' tokens.
+pub fn draw(seed: u64, slot: TokenSlot) -> f64 {
+    let mut mixed = seed;
+    for part in [slot.request as u64, slot.index as u64] {
+        mixed = mixed.wrapping_add(part).wrapping_add(0x9e37_79b9_7f4a_7c15);
+        mixed = (mixed ^ (mixed >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        mixed = (mixed ^ (mixed >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        mixed ^= mixed >> 31;
+    }
+    // The top 53 bits: every double in [0, 1) a multiple of 2⁻⁵³ is as likely.
+    (mixed >> 11) as f64 / (1u64 << 53) as f64
+}
+
+/// The token of `logits` that `uniform` picks from `softmax(logits / temperature)`: the first
+/// whose cumulative probability passes it. The choice's margin is how far `uniform` lies from
+/// the nearest boundary between two tokens' shares of `[0, 1)`: two ways whose logits differ by
+/// rounding move those boundaries by about as much, and may choose apart only where the margin
+/// is that small.
+///
+/// # Panics
+///
+/// If `temperature` is not positive and finite, or `logits` is empty.
+pub fn sample(logits: &[f32], temperature: f32, uniform: f64) -> Choice {
+    assert!(
+        temperature > 0.0 && temperature.is_finite(),
+        "sample: `temperature` must be positive and finite, not {temperature}"
+    );
+    let largest = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    assert!(
+        largest.is_finite(),
+        "sample: `logits` must hold a finite logit"
+    );
+    let weights: Vec<f64> = logits
+        .iter()
+        .map(|&logit| ((f64::from(logit) - f64::from(largest)) / f64::from(temperature)).exp())
+        .collect();
+    let total: f64 = weights.iter().sum();
+    let target = uniform * total;
+    let mut below = 0.0;
+    for (token, &weight) in weights.iter().enumerate() {
+        let above = below + weight;
+        // The last token takes what rounding leaves past the sum.
+        if target < above || token + 1 == weights.len() {
+            let margin = (target - below).min(above - target) / total;
+            return Choice {
+                token: token as i64,
+                margin: margin as f32,
+            };
+        }
+        below = above;
+    }
+    unreachable!("the last token takes every uniform number past the others")
 }
 
 /// `tokens` as one sequence through `embedding`: `[1, tokens, d_model]`.
@@ -214,7 +327,9 @@ pub fn best_continuations(beams: &[Beam], log_probs: &[f32], width: usize) -> Su
 
 /// A [`Decision::margin`] below which two ways that compute the same scores to within rounding
 /// may decide apart: two logits, or two beams' sums of up to a few hundred log-probabilities,
-/// each about 1e-5 apart between the two ways.
+/// each about 1e-5 apart between the two ways; or a sampled choice's distance from a boundary
+/// of cumulative probability, which logits `δ` apart move by at most about `2δ / temperature`
+/// (below 1e-3 for temperatures of at least 0.05).
 pub const NEAR_TIE: f32 = 1e-3;
 
 /// A cache's memory when it stored the most: what the sequences in flight stored, and what the
@@ -399,6 +514,118 @@ pub fn check_same_tokens(ways: &str, first: &Served, second: &Served) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sampled_tokens_come_as_often_as_their_probabilities() {
+        let logits = [0.0f32, 1.0, 2.0, -1.0];
+        let temperature = 0.7;
+        let draws = 40_000;
+        let mut counts = [0usize; 4];
+        for index in 0..draws {
+            let uniform = draw(5, TokenSlot { request: 3, index });
+            counts[sample(&logits, temperature, uniform).token as usize] += 1;
+        }
+        let weights: Vec<f64> = logits
+            .iter()
+            .map(|&logit| (f64::from(logit) / f64::from(temperature)).exp())
+            .collect();
+        let total: f64 = weights.iter().sum();
+        for (token, (&count, weight)) in counts.iter().zip(&weights).enumerate() {
+            let expected = weight / total * draws as f64;
+            // Five standard deviations of a binomial count.
+            let spread = 5.0 * (expected * (1.0 - weight / total)).sqrt();
+            assert!(
+                (count as f64 - expected).abs() < spread,
+                "token {token}: {count} draws, {expected:.0} expected"
+            );
+        }
+    }
+
+    #[test]
+    fn a_sampled_choice_is_by_the_uniform_number_and_its_margin_the_distance_to_a_boundary() {
+        // Probabilities 1/4, 1/4, 1/2: boundaries at 0.25 and 0.5.
+        let logits = [0.0f32, 0.0, std::f32::consts::LN_2];
+        for (uniform, token, margin) in [
+            (0.0, 0, 0.0),
+            (0.1, 0, 0.1),
+            (0.24, 0, 0.01),
+            (0.3, 1, 0.05),
+            (0.49, 1, 0.01),
+            (0.9, 2, 0.1),
+        ] {
+            let choice = sample(&logits, 1.0, uniform);
+            assert_eq!(choice.token, token, "{uniform}");
+            assert!(
+                (f64::from(choice.margin) - margin).abs() < 1e-6,
+                "{uniform}: {choice:?}"
+            );
+        }
+        // A low temperature picks the largest logit whatever the draw.
+        assert_eq!(sample(&[0.0, 3.0, 1.0], 0.05, 0.999).token, 1);
+    }
+
+    #[test]
+    fn draws_depend_on_the_slot_alone_and_lie_in_the_unit_interval() {
+        let slot = TokenSlot {
+            request: 7,
+            index: 2,
+        };
+        assert_eq!(draw(1, slot), draw(1, slot));
+        let others = [
+            draw(2, slot),
+            draw(
+                1,
+                TokenSlot {
+                    request: 2,
+                    index: 7,
+                },
+            ),
+            draw(
+                1,
+                TokenSlot {
+                    request: 7,
+                    index: 3,
+                },
+            ),
+        ];
+        assert!(others.iter().all(|&other| other != draw(1, slot)));
+        let mean = (0..10_000)
+            .map(|index| draw(9, TokenSlot { request: 0, index }))
+            .inspect(|uniform| assert!((0.0..1.0).contains(uniform)))
+            .sum::<f64>()
+            / 10_000.0;
+        assert!((mean - 0.5).abs() < 0.02, "{mean}");
+    }
+
+    #[test]
+    fn greedy_decoding_chooses_as_greedy_and_sampling_by_the_slot() {
+        let device = Device::flex();
+        // The same three logits in 64 rows, each row another request's slot.
+        let row = [0.0f32, 1.0, 0.5];
+        let logits = Tensor::<2>::from_data(TensorData::new(row.repeat(64), [64, 3]), &device);
+        let slots: Vec<TokenSlot> = (0..64)
+            .map(|request| TokenSlot { request, index: 4 })
+            .collect();
+        let tokens = |choices: Vec<Choice>| choices.iter().map(|c| c.token).collect::<Vec<_>>();
+        assert_eq!(
+            tokens(Decoding::Greedy.choose(logits.clone(), &slots)),
+            vec![1; 64]
+        );
+        let sampled = tokens(
+            Decoding::Sampled {
+                temperature: 1.5,
+                seed: 11,
+            }
+            .choose(logits, &slots),
+        );
+        let expected: Vec<i64> = slots
+            .iter()
+            .map(|&slot| sample(&row, 1.5, draw(11, slot)).token)
+            .collect();
+        assert_eq!(sampled, expected);
+        // Each token's probability is at least 0.23: every one is drawn.
+        assert!((0..3).all(|token| sampled.contains(&token)), "{sampled:?}");
+    }
 
     #[test]
     fn last_rows_are_each_runs_last() {

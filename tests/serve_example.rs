@@ -137,6 +137,27 @@ fn prompts_prefilled_in_chunks_give_the_same_tokens() {
 }
 
 #[test]
+fn sampled_tokens_do_not_depend_on_the_batch_nor_on_preemptions() {
+    // Each request draws from its own seed by its tokens' places, so every way samples it the
+    // same tokens; in a pool of 48 blocks requests are preempted and recompute what they had
+    // sampled, then go on drawing where they left off.
+    for temperature in ["1", "0.3"] {
+        let args = [
+            "--device",
+            "flex",
+            "--temperature",
+            temperature,
+            "--pool-blocks",
+            "48",
+            "--arrival-ms",
+            "0",
+        ];
+        let sampled = served(&args);
+        assert!(sampled.preempted.0 > 0, "{:?}", sampled.preempted);
+    }
+}
+
+#[test]
 fn bad_options_are_refused_with_the_usage() {
     for (args, error) in [
         (
@@ -146,6 +167,14 @@ fn bad_options_are_refused_with_the_usage() {
         (
             ["--prefill-chunk", "0"],
             "`--prefill-chunk` takes a number of rows (at least 1), not `0`",
+        ),
+        (
+            ["--temperature", "0.01"],
+            "`--temperature` takes a number from 0.05 to 100, not `0.01`",
+        ),
+        (
+            ["--temperature", "NaN"],
+            "`--temperature` takes a number from 0.05 to 100, not `NaN`",
         ),
         (
             ["--pool-blocks", "24"],
@@ -158,7 +187,7 @@ fn bad_options_are_refused_with_the_usage() {
             &args,
             error,
             "usage: serve [--device flex|ndarray|wgpu] [--window N] [--pool-blocks N] \
-             [--prefill-chunk N] [--arrival-ms N]",
+             [--prefill-chunk N] [--arrival-ms N] [--temperature T]",
         );
     }
 }
