@@ -1,8 +1,7 @@
 //! What the serving examples (`serve`, `serve_encoder_decoder`) share: a deterministic stream
 //! of numbers for their requests, greedy and sampled choices with the margin that tells a near
-//! tie, what
-//! serving a stream one way measured and its table row, and the check that two ways gave every
-//! request the same tokens.
+//! tie, what serving a stream one way measured and its table row, and the check that two ways
+//! gave every request the same tokens.
 
 use std::time::Duration;
 
@@ -59,7 +58,8 @@ pub struct Choice {
     /// The token chosen.
     pub token: i64,
     /// Greedy ([`greedy`]): its logit less the runner-up's. Sampled ([`sample`]): how far the
-    /// uniform number lay from the nearest boundary of two tokens' cumulative probabilities.
+    /// uniform number lay from the nearest boundary of two tokens' cumulative probabilities,
+    /// in the same units.
     pub margin: f32,
 }
 
@@ -74,15 +74,17 @@ impl Choice {
 }
 
 /// One decision of a request's decoding, as two ways that should decide alike are compared: a
-/// fingerprint of what was chosen (a greedy step's token, the set of beams a beam step kept)
-/// and the margin it was chosen by (the score of the last candidate chosen less the best one
-/// left out). Two ways that compute the same scores to within rounding may decide apart only
-/// where that margin is about as small as the rounding.
+/// fingerprint of what was chosen (a greedy or sampled step's token, the set of beams a beam
+/// step kept) and the margin it was chosen by (the score of the last candidate chosen less the
+/// best one left out; a sampled token's as [`sample`] gives it). Two ways that compute the same
+/// scores to within rounding may decide apart only where that margin is about as small as the
+/// rounding.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Decision {
     /// What was chosen; equal for equal choices.
     pub chosen: u64,
-    /// The score of the last candidate chosen less the best one's left out.
+    /// The score of the last candidate chosen less the best one's left out, or a sampled
+    /// choice's margin ([`sample`]).
     pub margin: f32,
 }
 
@@ -185,44 +187,64 @@ pub fn draw(seed: u64, slot: TokenSlot) -> f64 {
 }
 
 /// The token of `logits` that `uniform` picks from `softmax(logits / temperature)`: the first
-/// whose cumulative probability passes it. The choice's margin is how far `uniform` lies from
-/// the nearest boundary between two tokens' shares of `[0, 1)`: two ways whose logits differ by
-/// rounding move those boundaries by about as much, and may choose apart only where the margin
-/// is that small.
+/// whose cumulative probability passes it.
+///
+/// The choice's margin is in the greedy margin's units, so that [`NEAR_TIE`] means the same
+/// for both: where `uniform` lies a distance `d` from a boundary of cumulative probability `C`
+/// between two tokens' shares of `[0, 1)`, moving every logit by at most `δ` moves that
+/// boundary by at most `C (1 - C) · 2δ / temperature`, so the choice can change only if `δ` is
+/// at least half of `d · temperature / (C (1 - C))`, the margin (the nearer boundary's), as a
+/// greedy choice changes only if `δ` is at least half of its two logits' difference. The ends
+/// of `[0, 1)` are no boundaries: rounding does not move them (an infinite margin there).
 ///
 /// # Panics
 ///
-/// If `temperature` is not positive and finite, or `logits` is empty.
+/// If `temperature` is not positive and finite, `logits` holds no finite logit, or `uniform`
+/// is not in `[0, 1)`.
 pub fn sample(logits: &[f32], temperature: f32, uniform: f64) -> Choice {
     assert!(
         temperature > 0.0 && temperature.is_finite(),
         "sample: `temperature` must be positive and finite, not {temperature}"
+    );
+    assert!(
+        (0.0..1.0).contains(&uniform),
+        "sample: `uniform` must be in [0, 1), not {uniform}"
     );
     let largest = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     assert!(
         largest.is_finite(),
         "sample: `logits` must hold a finite logit"
     );
+    let temperature = f64::from(temperature);
     let weights: Vec<f64> = logits
         .iter()
-        .map(|&logit| ((f64::from(logit) - f64::from(largest)) / f64::from(temperature)).exp())
+        .map(|&logit| ((f64::from(logit) - f64::from(largest)) / temperature).exp())
         .collect();
+    // Summed in the loop's order: the last share with any weight ends exactly at `total`, past
+    // `uniform · total` for every `uniform` below 1.
     let total: f64 = weights.iter().sum();
     let target = uniform * total;
+    let margin_to = |boundary: f64| {
+        let cumulative = boundary / total;
+        let spread = cumulative * (1.0 - cumulative);
+        if spread > 0.0 {
+            (target - boundary).abs() / total * temperature / spread
+        } else {
+            f64::INFINITY
+        }
+    };
     let mut below = 0.0;
     for (token, &weight) in weights.iter().enumerate() {
         let above = below + weight;
-        // The last token takes what rounding leaves past the sum.
-        if target < above || token + 1 == weights.len() {
-            let margin = (target - below).min(above - target) / total;
+        if target < above {
             return Choice {
                 token: token as i64,
-                margin: margin as f32,
+                margin: margin_to(below).min(margin_to(above)) as f32,
             };
         }
         below = above;
     }
-    unreachable!("the last token takes every uniform number past the others")
+    unreachable!("the last share with any weight ends at the sum of the weights")
 }
 
 /// `tokens` as one sequence through `embedding`: `[1, tokens, d_model]`.
@@ -327,9 +349,8 @@ pub fn best_continuations(beams: &[Beam], log_probs: &[f32], width: usize) -> Su
 
 /// A [`Decision::margin`] below which two ways that compute the same scores to within rounding
 /// may decide apart: two logits, or two beams' sums of up to a few hundred log-probabilities,
-/// each about 1e-5 apart between the two ways; or a sampled choice's distance from a boundary
-/// of cumulative probability, which logits `δ` apart move by at most about `2δ / temperature`
-/// (below 1e-3 for temperatures of at least 0.05).
+/// each about 1e-5 apart between the two ways (a sampled choice's margin is in the same
+/// units, [`sample`]).
 pub const NEAR_TIE: f32 = 1e-3;
 
 /// A cache's memory when it stored the most: what the sequences in flight stored, and what the
@@ -543,23 +564,42 @@ mod tests {
 
     #[test]
     fn a_sampled_choice_is_by_the_uniform_number_and_its_margin_the_distance_to_a_boundary() {
-        // Probabilities 1/4, 1/4, 1/2: boundaries at 0.25 and 0.5.
+        // Probabilities 1/4, 1/4, 1/2: boundaries at 0.25 (C (1 - C) = 3/16) and 0.5 (1/4); the
+        // ends 0 and 1 are none. A margin: the distance to the nearer boundary · T / C (1 - C).
         let logits = [0.0f32, 0.0, std::f32::consts::LN_2];
         for (uniform, token, margin) in [
-            (0.0, 0, 0.0),
-            (0.1, 0, 0.1),
-            (0.24, 0, 0.01),
-            (0.3, 1, 0.05),
-            (0.49, 1, 0.01),
-            (0.9, 2, 0.1),
+            (0.0, 0, 0.25 / (3.0 / 16.0)),
+            (0.24, 0, 0.01 / (3.0 / 16.0)),
+            (0.3, 1, 0.05 / (3.0 / 16.0)),
+            (0.49, 1, 0.01 / 0.25),
+            (0.9, 2, 0.4 / 0.25),
         ] {
             let choice = sample(&logits, 1.0, uniform);
             assert_eq!(choice.token, token, "{uniform}");
             assert!(
-                (f64::from(choice.margin) - margin).abs() < 1e-6,
-                "{uniform}: {choice:?}"
+                (f64::from(choice.margin) - margin).abs() < 1e-5,
+                "{uniform}: {choice:?}, {margin}"
             );
         }
+        // The same draw at twice the temperature: the same logits halved, the margin in the
+        // logits' units.
+        let halved = logits.map(|logit| logit / 2.0);
+        let choice = sample(&halved, 0.5, 0.49);
+        assert!((f64::from(choice.margin) - 0.02).abs() < 1e-5, "{choice:?}");
+        // A token of no probability is never chosen, and the first and last with any are
+        // not near a boundary at the ends.
+        let gaps = [
+            f32::NEG_INFINITY,
+            0.0,
+            f32::NEG_INFINITY,
+            0.0,
+            f32::NEG_INFINITY,
+        ];
+        let first = sample(&gaps, 1.0, 0.0);
+        assert_eq!((first.token, first.margin), (1, 2.0));
+        let last = sample(&gaps, 1.0, 1.0 - f64::EPSILON);
+        assert_eq!(last.token, 3);
+        assert!((last.margin - 2.0).abs() < 1e-6, "{last:?}");
         // A low temperature picks the largest logit whatever the draw.
         assert_eq!(sample(&[0.0, 3.0, 1.0], 0.05, 0.999).token, 1);
     }

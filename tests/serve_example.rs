@@ -3,7 +3,8 @@
 //! its two largest logits (the example exits 1 otherwise), with and without a sliding window
 //! and with a pool too small for the stream, whose requests are preempted and recomputed; each
 //! way reports its peak cache memory, stored within allocated (less under the window, within
-//! the pool's bound); prompts fed in chunks give the same tokens; bad options are refused.
+//! the pool's bound); prompts fed in chunks give the same tokens; tokens sampled with a seed
+//! per request are the same every way too; bad options are refused.
 
 mod common;
 
@@ -19,6 +20,8 @@ struct Report {
     preempted_prefilling: usize,
     /// The most prompt rows a step of continuous batching fed.
     most_prompt_rows: usize,
+    /// What the example said it serves, ending with how it picks each token.
+    first_line: String,
 }
 
 /// The example's output with `args`, checked: every request the same tokens every way, or
@@ -33,6 +36,7 @@ fn served(args: &[&str]) -> Report {
         .map(|way| peak_mib(&stdout, way));
     let numbers = numbers_after(&stdout, "continuous batching preempted requests ");
     Report {
+        first_line: stdout.lines().next().unwrap_or_default().to_string(),
         peak_mib,
         preempted: (numbers[0], numbers[2]),
         preempted_prefilling: numbers[1],
@@ -140,20 +144,36 @@ fn prompts_prefilled_in_chunks_give_the_same_tokens() {
 fn sampled_tokens_do_not_depend_on_the_batch_nor_on_preemptions() {
     // Each request draws from its own seed by its tokens' places, so every way samples it the
     // same tokens; in a pool of 48 blocks requests are preempted and recompute what they had
-    // sampled, then go on drawing where they left off.
-    for temperature in ["1", "0.3"] {
-        let args = [
+    // sampled, then go on drawing where they left off; prompts fed 2 rows a step into 30
+    // blocks are preempted while prefilling too, and a chunk's choice is dropped.
+    for (temperature, pool_blocks, prefill_chunk) in
+        [("1", "48", "none"), ("0.3", "48", "none"), ("1", "30", "2")]
+    {
+        let mut args = vec![
             "--device",
             "flex",
             "--temperature",
             temperature,
             "--pool-blocks",
-            "48",
+            pool_blocks,
             "--arrival-ms",
             "0",
         ];
+        if prefill_chunk != "none" {
+            args.extend(["--prefill-chunk", prefill_chunk]);
+        }
         let sampled = served(&args);
         assert!(sampled.preempted.0 > 0, "{:?}", sampled.preempted);
+        assert!(
+            sampled.first_line.ends_with(&format!(
+                ", tokens sampled at temperature {temperature}, a seed per request"
+            )),
+            "{}",
+            sampled.first_line
+        );
+        if prefill_chunk != "none" {
+            assert!(sampled.preempted_prefilling > 0, "{:?}", sampled.preempted);
+        }
     }
 }
 
@@ -169,12 +189,16 @@ fn bad_options_are_refused_with_the_usage() {
             "`--prefill-chunk` takes a number of rows (at least 1), not `0`",
         ),
         (
-            ["--temperature", "0.01"],
-            "`--temperature` takes a number from 0.05 to 100, not `0.01`",
+            ["--temperature", "0"],
+            "`--temperature` takes a positive number, not `0`",
+        ),
+        (
+            ["--temperature", "inf"],
+            "`--temperature` takes a positive number, not `inf`",
         ),
         (
             ["--temperature", "NaN"],
-            "`--temperature` takes a number from 0.05 to 100, not `NaN`",
+            "`--temperature` takes a positive number, not `NaN`",
         ),
         (
             ["--pool-blocks", "24"],
