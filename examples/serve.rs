@@ -498,7 +498,6 @@ fn serve_one_at_a_time(model: &Model, requests: &[Request], device: &Device) -> 
     let (mut tokens, mut decisions, mut token_times) = (Vec::new(), Vec::new(), Vec::new());
     let mut peak_cache = CacheBytes::default();
     let started = Instant::now();
-    let system = system_prompt();
     for (index, request) in requests.iter().enumerate() {
         std::thread::sleep(request.arrival.saturating_sub(started.elapsed()));
         let slot = |generated: &[Choice]| {
@@ -508,7 +507,7 @@ fn serve_one_at_a_time(model: &Model, requests: &[Request], device: &Device) -> 
             }]
         };
         let mut cache = model.stack.new_cache();
-        let prompt = [system.as_slice(), &request.prompt].concat();
+        let prompt = full_prompt(request);
         let mut generated = model.step_cached(&prompt, &slot(&[]), None, &mut cache, device);
         let mut times = vec![started.elapsed()];
         while generated.len() < request.output_len {

@@ -150,7 +150,7 @@ impl Decoding {
     ///
     /// If the logits are not f32, or `slots` does not name one slot per row.
     pub fn choose(&self, logits: Tensor<2>, slots: &[TokenSlot]) -> Vec<Choice> {
-        let [rows, _] = logits.dims();
+        let [rows, vocab] = logits.dims();
         assert_eq!(
             slots.len(),
             rows,
@@ -159,7 +159,6 @@ impl Decoding {
         match *self {
             Decoding::Greedy => greedy(logits),
             Decoding::Sampled { temperature, seed } => {
-                let [_, vocab] = logits.dims();
                 let logits = logits.into_data().try_to_vec::<f32>().expect("f32 logits");
                 logits
                     .chunks_exact(vocab)
