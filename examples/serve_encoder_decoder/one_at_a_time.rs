@@ -1,0 +1,74 @@
+//! One request at a time through a `TransformerDecoderCache`.
+
+use std::time::{Duration, Instant};
+
+use burn::tensor::Device;
+use burn_mha::serving::{CacheBytes, Served};
+
+use crate::model::{LAYERS, Model, POSITION_BYTES, Request};
+use crate::search::Search;
+
+/// One request at a time, in arrival order, each with its own `TransformerDecoderCache` (its
+/// beams a batch, the survivors kept after each step with `select_batch`); and the time the
+/// encoder took over the sources.
+pub(crate) fn serve_one_at_a_time(
+    model: &Model,
+    requests: &[Request],
+    beams: usize,
+    device: &Device,
+) -> (Served, Duration) {
+    let mut encoding = Duration::ZERO;
+    let (mut tokens, mut decisions, mut token_times) = (Vec::new(), Vec::new(), Vec::new());
+    let mut peak_cache = CacheBytes::default();
+    let started = Instant::now();
+    for request in requests {
+        std::thread::sleep(request.arrival.saturating_sub(started.elapsed()));
+        let encoding_started = Instant::now();
+        let memory = model.encode(&request.source, device);
+        encoding += encoding_started.elapsed();
+        let mut cache = model.decoder.new_cache();
+        let mut search = Search::new(beams);
+        let mut times = Vec::new();
+        let mut log_probs = model.step_cached(&request.forced, 1, &memory, &mut cache, device);
+        loop {
+            let parents = search.step(&log_probs);
+            times.push(started.elapsed());
+            if search.generated() == request.max_tokens {
+                break;
+            }
+            // Each survivor continues its parent's caches (the forced start's, repeated, at
+            // first); a step that kept every beam in place copies nothing.
+            if !parents.iter().copied().eq(0..parents.len()) {
+                cache.select_batch(&parents);
+            }
+            let last: Vec<i64> = search
+                .beams
+                .iter()
+                .map(|beam| *beam.tokens.last().expect("a token"))
+                .collect();
+            log_probs = model.step_cached(&last, last.len(), &memory, &mut cache, device);
+        }
+        let summed_over_layers = |bytes: fn(&mha::KvCache) -> usize| -> usize {
+            cache.self_attention.iter().map(bytes).sum()
+        };
+        // Every beam holds its own positions and its own copy of the projected source.
+        let projected = request.source.len() * LAYERS * POSITION_BYTES * beams;
+        peak_cache = peak_cache.peak(CacheBytes {
+            stored: summed_over_layers(|layer| layer.stored()) * POSITION_BYTES * beams + projected,
+            allocated: summed_over_layers(|layer| layer.bytes()) + projected,
+        });
+        let (generated, decided) = search.result();
+        tokens.push(generated);
+        decisions.push(decided);
+        token_times.push(times);
+    }
+    let served = Served {
+        tokens,
+        decisions,
+        wall: started.elapsed(),
+        token_times,
+        arrivals: requests.iter().map(|request| request.arrival).collect(),
+        peak_cache,
+    };
+    (served, encoding)
+}
