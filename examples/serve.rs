@@ -540,14 +540,7 @@ fn serve_one_at_a_time(model: &Model, requests: &[Request], device: &Device) -> 
 /// rounding only: at a near tie, reported), and stored: every row of the batch holds the
 /// longest prompt's positions.
 fn serve_in_static_batches(model: &Model, requests: &[Request], device: &Device) -> Served {
-    let mut served = Served {
-        tokens: vec![Vec::new(); requests.len()],
-        decisions: vec![Vec::new(); requests.len()],
-        wall: Duration::ZERO,
-        token_times: vec![Vec::new(); requests.len()],
-        arrivals: requests.iter().map(|request| request.arrival).collect(),
-        peak_cache: CacheBytes::default(),
-    };
+    let mut served = Served::nothing_yet(requests.iter().map(|request| request.arrival).collect());
     let started = Instant::now();
     let mut next = 0;
     while next < requests.len() {
@@ -664,19 +657,7 @@ fn settings(options: &ProgramOptions, requests: &[Request]) -> Settings {
         prefill_chunk: number("--prefill-chunk", 1, "a number of rows (at least 1)"),
         arrival_ms: number("--arrival-ms", 0, "a number of milliseconds")
             .map_or(ARRIVAL_INTERVAL_MS, |ms| ms as u64),
-        decoding: options
-            .value("--temperature")
-            .map_or(Decoding::Greedy, |value| match value.parse::<f32>() {
-                Ok(temperature) if temperature > 0.0 && temperature.is_finite() => {
-                    Decoding::Sampled {
-                        temperature,
-                        seed: SAMPLING_SEED,
-                    }
-                }
-                _ => options.fail(&format!(
-                    "`--temperature` takes a positive number, not `{value}`"
-                )),
-            }),
+        decoding: Decoding::from_options(options, SAMPLING_SEED),
     }
 }
 

@@ -1,10 +1,10 @@
 //! The `serve_encoder_decoder` example end to end on flex: continuous batching through a
-//! `PagedTransformerDecoderCache` and one request at a time with a `TransformerDecoderCache`
-//! give every request the same tokens, but where the two ways part at a near tie (the example
-//! exits 1 otherwise; a few at most), with the default pool and with one too small for the
-//! stream, whose requests then wait for blocks, with one request joining a step, and with beam
-//! search (beams forked in the pool, sharing blocks); each way reports its peak cache memory,
-//! stored within allocated; bad options are refused.
+//! `PagedTransformerDecoderCache`, static batches of a `TransformerDecoderCache` and one request
+//! at a time give every request the same tokens, but where two ways part at a near tie (the
+//! example exits 1 otherwise; a few at most), with the default pool and with one too small for
+//! the stream, whose requests then wait for blocks, with one request joining a step, with beam
+//! search (beams forked in the pool, sharing blocks) and with sampled tokens; each way reports
+//! its peak cache memory, stored within allocated; bad options are refused.
 
 mod common;
 
@@ -15,6 +15,12 @@ use common::served::{PeakMib, numbers_after, peak_mib, refused, same_tokens, std
 struct Report {
     /// Continuous batching's peak cache memory, stored and allocated, in MiB.
     batched_peak_mib: PeakMib,
+    /// Static batching's.
+    static_peak_mib: PeakMib,
+    /// The static batches: how many, and the most requests in one.
+    static_batches: (usize, usize),
+    /// The first tokens continuous batching gave request 0.
+    first_tokens: Vec<usize>,
     /// The most requests continuous batching held at once.
     most_in_flight: usize,
     /// The most blocks they reserved, of the pool's.
@@ -28,19 +34,25 @@ struct Report {
     fullest_pool: (usize, usize),
 }
 
-/// The example's output with `args`, checked: every request the same tokens both ways, or
-/// parted at a near tie (the example fails otherwise), and each way's peak cache memory stored
-/// within allocated.
+/// The example's output with `args`, checked: every request the same tokens each batching way
+/// as alone, or parted at a near tie (the example fails otherwise), and each way's peak cache
+/// memory stored within allocated.
 fn served(args: &[&str]) -> Report {
     let stdout = stdout_of("serve_encoder_decoder", args);
-    same_tokens(&stdout, "both ways");
-    let [batched_peak_mib, _] =
-        ["continuous batching", "one at a time"].map(|way| peak_mib(&stdout, way));
+    same_tokens(&stdout, "continuously batched as alone");
+    same_tokens(&stdout, "in static batches as alone");
+    let [batched_peak_mib, static_peak_mib, _] =
+        ["continuous batching", "static batches", "one at a time"]
+            .map(|way| peak_mib(&stdout, way));
     let admission = numbers_after(&stdout, "continuous batching held at most ");
     let fullest = numbers_after(&stdout, "at its fullest the pool held ");
+    let batches = numbers_after(&stdout, "static batching ran ");
     Report {
         fullest_pool: (fullest[0], fullest[1]),
         batched_peak_mib,
+        static_peak_mib,
+        static_batches: (batches[0], batches[1]),
+        first_tokens: numbers_after(&stdout, "request 0's first tokens: "),
         most_in_flight: admission[0],
         most_reserved: admission[1],
         steps_with_a_request_waiting: admission[3],
@@ -76,6 +88,14 @@ fn continuous_batching_serves_every_request_the_tokens_of_serving_it_alone() {
         "{burst:?}"
     );
     assert_eq!(burst.steps_with_a_request_waiting, 0, "{burst:?}");
+    // Static batching: one batch of all 32, every row holding the longest source and forced
+    // start; the paged cache holds each request's own (5235 source positions in all, against
+    // 32 times the longest, 311: 9952).
+    assert_eq!(burst.static_batches, (1, 32), "{burst:?}");
+    assert!(
+        burst.static_peak_mib.stored > 1.5 * burst.batched_peak_mib.stored,
+        "{burst:?}"
+    );
     // One joining a step: the others keep decoding while the queue's sources are encoded one
     // a step; each request decodes for 16 steps or more, so 16 or more are in flight at once.
     let one_a_step = served(&[
@@ -103,6 +123,40 @@ fn beam_search_forks_beams_that_share_blocks_and_gives_each_request_its_best_bea
     // start and common tokens): the pool holds fewer blocks than its sequences would alone.
     let (in_use, unshared) = report.fullest_pool;
     assert!(in_use < unshared, "{report:?}");
+}
+
+#[test]
+fn sampled_tokens_do_not_depend_on_the_batch() {
+    // Each token drawn with a number of its request and place alone: the same tokens all three
+    // ways, whatever the batch, the pool, or when a request joined.
+    let greedy = served(&["--device", "flex", "--arrival-ms", "0"]);
+    let sampled = served(&[
+        "--device",
+        "flex",
+        "--arrival-ms",
+        "0",
+        "--temperature",
+        "1",
+    ]);
+    let small_pool = served(&[
+        "--device",
+        "flex",
+        "--temperature",
+        "1",
+        "--pool-blocks",
+        "24",
+    ]);
+    let sharper = served(&["--device", "flex", "--temperature", "0.3"]);
+    assert_eq!(sampled.first_tokens.len(), 16, "{sampled:?}");
+    // Sampling at temperature 1 from an untrained model's almost flat distribution over 256
+    // tokens, a seed per request: the same tokens at any schedule, not greedy's.
+    assert_eq!(sampled.first_tokens, small_pool.first_tokens);
+    assert_ne!(sampled.first_tokens, greedy.first_tokens);
+    assert_ne!(sampled.first_tokens, sharper.first_tokens);
+    assert!(
+        small_pool.steps_with_a_request_waiting > 0,
+        "{small_pool:?}"
+    );
 }
 
 #[test]
@@ -166,13 +220,25 @@ fn bad_options_are_refused_with_the_usage() {
             &["--arrival-ms", "-1"][..],
             "`--arrival-ms` takes a number of milliseconds, not `-1`",
         ),
+        (
+            &["--temperature", "0"][..],
+            "`--temperature` takes a positive number, not `0`",
+        ),
+        (
+            &["--temperature", "inf"][..],
+            "`--temperature` takes a positive number, not `inf`",
+        ),
+        (
+            &["--beams", "2", "--temperature", "1"][..],
+            "`--temperature` samples one beam: leave out `--beams` or give it 1",
+        ),
     ] {
         refused(
             "serve_encoder_decoder",
             args,
             error,
             "usage: serve_encoder_decoder [--device flex|ndarray|wgpu] [--beams N] \
-             [--pool-blocks N] [--joins-per-step N] [--arrival-ms N]",
+             [--pool-blocks N] [--joins-per-step N] [--arrival-ms N] [--temperature T]",
         );
     }
 }

@@ -165,7 +165,11 @@ impl<'a> ContinuousBatching<'a> {
                 .add_paged_sequence(&mut self.cache, memory);
             self.running.push(Running {
                 request: self.next_to_join,
-                search: Search::new(self.settings.beams),
+                search: Search::new(
+                    self.next_to_join,
+                    self.settings.beams,
+                    self.settings.decoding,
+                ),
                 ids: vec![id],
                 forced_fed: false,
             });
@@ -218,8 +222,7 @@ impl<'a> ContinuousBatching<'a> {
                 for &id in &run.ids {
                     cache.remove_sequence(id).expect("a running sequence");
                 }
-                let search = std::mem::replace(&mut run.search, Search::new(1));
-                (tokens[run.request], decisions[run.request]) = search.result();
+                (tokens[run.request], decisions[run.request]) = run.search.result();
             }
             !done
         });

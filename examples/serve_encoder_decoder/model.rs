@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig};
 use burn::tensor::activation::log_softmax;
-use burn::tensor::{Device, Tensor};
+use burn::tensor::{Bool, Device, Tensor};
 use burn_mha::serving::{Numbers, embed, last_rows};
 use mha::transformer::{
     PagedTransformerDecoderCache, TransformerDecoder, TransformerDecoderCache,
@@ -132,18 +132,23 @@ impl Model {
     }
 
     /// Next-token log-probabilities after `tokens` (`[batch, new]`, row by row) fed to
-    /// `cache` over `memory`, `[batch, vocab]` row by row.
+    /// `cache` over `memory`, `[batch, vocab]` row by row. `padding`, at a batch's first step,
+    /// marks what no query may attend to; the caches keep it for the later steps.
     pub(crate) fn step_cached(
         &self,
         tokens: &[i64],
         batch: usize,
         memory: &Tensor<3>,
+        padding: Option<Padding>,
         cache: &mut TransformerDecoderCache,
         device: &Device,
     ) -> Vec<f32> {
         let new = tokens.len() / batch;
         let x = self.embed(tokens, device).reshape([batch, new, D_MODEL]);
-        let input = TransformerDecoderInput::new(x, memory.clone());
+        let mut input = TransformerDecoderInput::new(x, memory.clone());
+        if let Some(Padding { target, memory }) = padding {
+            input = input.target_mask_pad(target).memory_mask_pad(memory);
+        }
         let hidden = self
             .decoder
             .forward_cached(input, cache)
@@ -151,6 +156,13 @@ impl Model {
         let last = hidden.narrow(1, new - 1, 1).reshape([batch, D_MODEL]);
         log_probs(self.head.forward(last))
     }
+}
+
+/// A static batch's padding, `true` = padding: its targets' in front (`[batch, new]`) and its
+/// memories' behind (`[batch, seq_memory]`).
+pub(crate) struct Padding {
+    pub(crate) target: Tensor<2, Bool>,
+    pub(crate) memory: Tensor<2, Bool>,
 }
 
 /// `logits`' log-softmax over the vocabulary, row by row.

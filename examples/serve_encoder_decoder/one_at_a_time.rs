@@ -3,7 +3,7 @@
 use std::time::{Duration, Instant};
 
 use burn::tensor::Device;
-use burn_mha::serving::{CacheBytes, Served};
+use burn_mha::serving::{CacheBytes, Decoding, Served};
 
 use crate::model::{LAYERS, Model, POSITION_BYTES, Request};
 use crate::search::Search;
@@ -15,21 +15,23 @@ pub(crate) fn serve_one_at_a_time(
     model: &Model,
     requests: &[Request],
     beams: usize,
+    decoding: Decoding,
     device: &Device,
 ) -> (Served, Duration) {
     let mut encoding = Duration::ZERO;
     let (mut tokens, mut decisions, mut token_times) = (Vec::new(), Vec::new(), Vec::new());
     let mut peak_cache = CacheBytes::default();
     let started = Instant::now();
-    for request in requests {
+    for (index, request) in requests.iter().enumerate() {
         std::thread::sleep(request.arrival.saturating_sub(started.elapsed()));
         let encoding_started = Instant::now();
         let memory = model.encode(&request.source, device);
         encoding += encoding_started.elapsed();
         let mut cache = model.decoder.new_cache();
-        let mut search = Search::new(beams);
+        let mut search = Search::new(index, beams, decoding);
         let mut times = Vec::new();
-        let mut log_probs = model.step_cached(&request.forced, 1, &memory, &mut cache, device);
+        let mut log_probs =
+            model.step_cached(&request.forced, 1, &memory, None, &mut cache, device);
         loop {
             let parents = search.step(&log_probs);
             times.push(started.elapsed());
@@ -46,7 +48,7 @@ pub(crate) fn serve_one_at_a_time(
                 .iter()
                 .map(|beam| *beam.tokens.last().expect("a token"))
                 .collect();
-            log_probs = model.step_cached(&last, last.len(), &memory, &mut cache, device);
+            log_probs = model.step_cached(&last, last.len(), &memory, None, &mut cache, device);
         }
         let summed_over_layers = |bytes: fn(&mha::KvCache) -> usize| -> usize {
             cache.self_attention.iter().map(bytes).sum()
