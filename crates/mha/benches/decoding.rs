@@ -17,8 +17,9 @@
 //! 1,8,32`, `--rounds 16`, `--block-size 16`, `--ways paged,padded,single`, `--storage
 //! float,half,int8`, `--decoder 8,32` (the encoder-decoder table's numbers of sequences),
 //! `--layers 1`, `--kv-heads 2`, `--window W` (none by default), `--sinks S`
-//! (0; with `--window`, a streaming window), `--alibi` (off), `--softcap C` (none); an empty
-//! list skips its table).
+//! (0; with `--window`, a streaming window), `--alibi` (off), `--softcap C` (none), `--device
+//! flex|ndarray|wgpu` (flex; wgpu with the `wgpu` feature, where the bandwidth bounds, read by
+//! the CPU, say nothing); an empty list skips its table).
 
 use std::time::Instant;
 
@@ -27,6 +28,9 @@ use mha::{CacheLimit, KvCache, MhaInput, MultiHeadAttention, MultiHeadAttentionC
 
 #[path = "decoding/concurrent.rs"]
 mod concurrent;
+#[path = "../tests/common/devices.rs"]
+#[allow(dead_code)] // the bench picks a device by name only
+mod devices;
 #[path = "decoding/encoder_decoder.rs"]
 mod encoder_decoder;
 
@@ -121,6 +125,8 @@ struct Options {
     alibi: bool,
     /// Every layer's logit soft cap.
     softcap: Option<f64>,
+    /// The device's name.
+    device: String,
 }
 
 impl Options {
@@ -144,6 +150,7 @@ impl Options {
             sinks: 0,
             alibi: false,
             softcap: None,
+            device: "flex".to_string(),
         };
         let list = |text: String, name: &str| -> Vec<usize> {
             text.split(',')
@@ -178,6 +185,7 @@ impl Options {
                 }
                 "--sinks" => options.sinks = value().parse().expect("--sinks: a number"),
                 "--alibi" => options.alibi = true,
+                "--device" => options.device = value(),
                 "--softcap" => {
                     options.softcap = Some(value().parse().expect("--softcap: a number"))
                 }
@@ -207,7 +215,7 @@ impl Options {
 
 fn main() {
     let options = Options::from_args();
-    let device = Device::flex();
+    let device = devices::device_by_name(&options.device).unwrap_or_else(|error| panic!("{error}"));
     device.seed(0);
     let kv_heads = options.kv_heads;
     let config = MultiHeadAttentionConfig::new(D_MODEL, HEADS)
@@ -223,10 +231,11 @@ fn main() {
     let (one_thread, all_threads) = (read_bandwidth(1), read_bandwidth(threads));
     let head_dim = D_MODEL / HEADS;
     println!(
-        "flex, d_model {D_MODEL}, {HEADS} query / {kv_heads} key-value heads{}{}, f32, the CPU \
+        "{}, d_model {D_MODEL}, {HEADS} query / {kv_heads} key-value heads{}{}, f32, the CPU \
          kernels' {} copies (`MHA_CPU_CAPABILITY` caps them); read bandwidth {:.1} GB/s on one \
          thread, {:.1} GB/s on {threads} (sum of a 256 MiB buffer, best of 5): the first is the \
          one-sequence table's bound, the second the many-sequence table's",
+        options.device,
         if options.alibi { ", ALiBi" } else { "" },
         options
             .softcap

@@ -10,8 +10,10 @@
 //! - `prefix.rs`: whole blocks filed by the tokens they hold, so that a prompt starting with
 //!   tokens the cache holds shares their blocks (prefix caching);
 //! - `store.rs`: the blocks themselves, as tensors (float, f16 or int8);
-//! - `step.rs`: the step — projections, RoPE at each row's position, the writes, and the
-//!   attention through tensor ops on any backend;
+//! - `step.rs`: the step — projections, RoPE at each row's position, the writes, and which
+//!   path attends each sequence;
+//! - `gathered.rs`: the attention through tensor ops on any backend, the blocks gathered (the
+//!   decoding sequences of a step in one call);
 //! - `cpu.rs`: the attention read through the block tables in place on flex and ndarray;
 //!   `cpu/sequence.rs` walks one sequence's rows through its table, `cpu/write.rs` writes a
 //!   step's rows into a pool in place (f32, f16, or quantized to int8).
@@ -19,6 +21,7 @@
 mod cache;
 #[cfg(any(feature = "flex", feature = "ndarray"))]
 mod cpu;
+mod gathered;
 mod prefix;
 mod step;
 mod store;

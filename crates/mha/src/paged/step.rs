@@ -1,12 +1,10 @@
 //! [`MultiHeadAttention::forward_paged`]: one causal self-attention step for a ragged batch of
 //! sequences of a [`PagedKvCache`], each row at its own sequence's position.
 
-use burn::tensor::{DType, Tensor};
+use burn::tensor::Tensor;
 
 use super::cache::{PagedCacheError, PagedKvCache, SequenceId, SequenceRows, SequenceStep};
 use crate::cache::{CacheStorage, beyond_half_range};
-use crate::input::{AttentionPath, NeedWeights};
-use crate::mask::{Positions, Visibility};
 use crate::module::MultiHeadAttention;
 use crate::shape::check_shape;
 
@@ -43,10 +41,13 @@ impl MultiHeadAttention {
     /// values of each sequence with at most 32 rows in the step (a decoding step, a short
     /// continuation) through its block table in place, and the pool takes the step's new keys
     /// and values in place (converted to f16 or quantized to int8 as it stores them).
-    /// Elsewhere, and for longer runs of rows (a prompt, whose many queries the matrix products
-    /// of the flash kernel serve better), a sequence's blocks are gathered into a contiguous
-    /// tensor with tensor ops and attended to by the kernel [`AttentionPath::Auto`] picks, one
-    /// sequence at a time: the same results, a copy of its cache per step.
+    /// Elsewhere the sequences' blocks are gathered into contiguous tensors with tensor ops
+    /// and attended to by the kernel [`AttentionPath::Auto`](crate::AttentionPath::Auto)
+    /// picks, the same results from a copy of their caches each step: the sequences with at
+    /// most 32 rows in as few calls as keep each call's keys, padded to its longest sequence
+    /// and widened to every query head, within 32 MiB (one at a time under ALiBi); longer runs
+    /// of rows (a prompt, whose many queries the matrix products of the flash kernel serve
+    /// better) one sequence at a time, there and on flex and ndarray.
     ///
     /// # Shapes
     ///
@@ -127,65 +128,32 @@ impl MultiHeadAttention {
             let context = native.clone();
             return Ok(self.output_projection(context).reshape([rows, d_model]));
         }
+        // The sequences the native kernel read, or else those of at most 32 rows in batched
+        // gathered calls; the others (prompts, or all under ALiBi) gathered one at a time.
+        let mut contexts = match &native {
+            Some(native) => step
+                .sequences
+                .iter()
+                .map(|sequence| {
+                    let rows = &sequence.rows;
+                    (rows.len() <= IN_PLACE_ROWS)
+                        .then(|| native.clone().narrow(2, rows.start, rows.len()))
+                })
+                .collect(),
+            None => self.batched_contexts(&heads, &step.sequences, cache),
+        };
         let contexts = step
             .sequences
             .iter()
-            .map(|sequence| match &native {
-                Some(native) if sequence.rows.len() <= IN_PLACE_ROWS => {
-                    let rows = &sequence.rows;
-                    native.clone().narrow(2, rows.start, rows.len())
-                }
-                _ => self.gathered_attention(&heads, sequence, cache),
+            .zip(&mut contexts)
+            .map(|(sequence, context)| {
+                context
+                    .take()
+                    .unwrap_or_else(|| self.gathered_attention(&heads, sequence, cache))
             })
             .collect();
         let context = Tensor::cat(contexts, 2);
         Ok(self.output_projection(context).reshape([rows, d_model]))
-    }
-
-    /// One sequence's context heads `[1, n_heads, new, head_dim]`: its stored keys and values
-    /// gathered from its blocks into one tensor, then the kernel `Auto` picks.
-    fn gathered_attention(
-        &self,
-        heads: &StepHeads,
-        sequence: &SequenceStep,
-        cache: &PagedKvCache,
-    ) -> Tensor<4> {
-        let StepHeads { query, key, value } = heads;
-        let (start, new) = (sequence.rows.start, sequence.rows.len());
-        let query = query.clone().narrow(2, start, new);
-        let mut new_key = key.clone().narrow(2, start, new);
-        let mut new_value = value.clone().narrow(2, start, new);
-        // Positions before the first held lie behind the window of every row of the step.
-        let first_held = sequence.table.first_held(cache.block_size());
-        if sequence.past > first_held {
-            let (key_blocks, value_blocks) = cache.stores().expect("the step stored its keys");
-            let dtype: DType = key.dtype();
-            let past_key = key_blocks.gather(&sequence.table, sequence.past, dtype);
-            let past_value = value_blocks.gather(&sequence.table, sequence.past, dtype);
-            new_key = Tensor::cat(vec![past_key, new_key], 2);
-            new_value = Tensor::cat(vec![past_value, new_value], 2);
-        }
-        let (key, value) = self.append_extra_positions(new_key, new_value);
-        let visibility = Visibility {
-            causal: true,
-            window: self.window,
-            alibi: self.alibi,
-            positions: Positions {
-                query: sequence.past as i64,
-                key: first_held as i64,
-            },
-            extra_keys: self.extra_keys(),
-            ..Visibility::nothing_hidden()
-        };
-        let geometry = self.geometry(1, new, sequence.past - first_held + new);
-        let plan = self.plan(
-            visibility,
-            geometry,
-            AttentionPath::Auto,
-            NeedWeights::No,
-            &query.device(),
-        );
-        self.attention_heads(query, key, value, &plan).0
     }
 }
 

@@ -259,6 +259,24 @@ impl BlockStore {
             ),
         }
     }
+
+    /// [`gather`](Self::gather) for many sequences in one gather of all their held blocks:
+    /// each `(table, len)`'s positions from its first held one up to `len`, padded behind to
+    /// the whole blocks of the longest, `[sequences, heads, positions, dim]` floats of `dtype`.
+    /// A sequence's padding holds other positions' values: the caller masks it.
+    pub fn gather_batch(&self, sequences: &[(&BlockTable, usize)], dtype: DType) -> Tensor<4> {
+        let layout = self.layout;
+        match &self.data {
+            BlockData::Float { blocks } => {
+                in_dtype(gathered_batch(blocks, layout, sequences), dtype)
+            }
+            BlockData::Int8 { values, scales } => dequantize_int8(
+                gathered_batch(values, layout, sequences),
+                gathered_batch(scales, layout, sequences),
+                dtype,
+            ),
+        }
+    }
 }
 
 /// One sequence's rows of a step, and where they go.
@@ -309,6 +327,7 @@ pub(crate) trait BlockTensor: Clone + Sized {
     fn select_blocks(&self, blocks: Tensor<1, Int>) -> Self;
     fn reshaped(self, shape: [usize; 4]) -> Self;
     fn swapped_first(self) -> Self;
+    fn swapped_middle(self) -> Self;
     fn swapped_last(self) -> Self;
     fn narrowed(self, axis: usize, start: usize, len: usize) -> Self;
 }
@@ -352,6 +371,9 @@ macro_rules! block_tensor {
             }
             fn swapped_first(self) -> Self {
                 self.swap_dims(0, 1)
+            }
+            fn swapped_middle(self) -> Self {
+                self.swap_dims(1, 2)
             }
             fn swapped_last(self) -> Self {
                 self.swap_dims(2, 3)
@@ -416,6 +438,39 @@ fn gathered<T: BlockTensor>(pool: &T, layout: BlockLayout, table: &BlockTable, l
         .swapped_first()
         .reshaped([1, heads, used * block_size, dim])
         .narrowed(2, 0, len - table.first_held(block_size))
+}
+
+/// [`gathered`] for each of `sequences` at once, padded behind to the whole blocks of the
+/// longest, `[sequences, heads, blocks · block_size, dim]`: one select of every sequence's held
+/// blocks, as many per sequence (padded with block 0, whatever it holds).
+fn gathered_batch<T: BlockTensor>(
+    pool: &T,
+    layout: BlockLayout,
+    sequences: &[(&BlockTable, usize)],
+) -> T {
+    let block_size = pool.dims()[layout.position_axis()];
+    let held = |(table, len): &(&BlockTable, usize)| -> Vec<usize> {
+        table.blocks[table.released..len.div_ceil(block_size)].to_vec()
+    };
+    let held: Vec<Vec<usize>> = sequences.iter().map(held).collect();
+    let most = held.iter().map(Vec::len).max().unwrap_or(0);
+    assert!(
+        most > 0,
+        "gathered_batch: no sequence holds a stored position"
+    );
+    let indices: Vec<i64> = held
+        .iter()
+        .flat_map(|blocks| (0..most).map(|i| blocks.get(i).map_or(0, |&b| b as i64)))
+        .collect();
+    let count = sequences.len();
+    let indices =
+        Tensor::<1, Int>::from_data(TensorData::new(indices, [count * most]), &pool.device());
+    let blocks = laid_out(pool.select_blocks(indices), layout);
+    let [_, heads, _, dim] = blocks.dims();
+    blocks
+        .reshaped([count, most, heads, block_size * dim])
+        .swapped_middle()
+        .reshaped([count, heads, most * block_size, dim])
 }
 
 // The tests run on flex.
