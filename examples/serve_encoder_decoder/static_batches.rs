@@ -14,8 +14,11 @@ use crate::search::Search;
 /// encoder took over the sources.
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct Batches {
+    /// Batches run.
     pub(crate) count: usize,
+    /// The most requests in one.
     pub(crate) largest: usize,
+    /// The encoder's time over the sources.
     pub(crate) encoding: Duration,
 }
 

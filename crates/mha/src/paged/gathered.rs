@@ -1,8 +1,9 @@
 //! The generic path of [`MultiHeadAttention::forward_paged`]: sequences' blocks gathered into
 //! contiguous tensors with tensor ops and attended to by the kernel
 //! [`AttentionPath::Auto`] picks, on backends without the native kernel (GPUs, autodiff) and
-//! for runs of rows too long for it. The decoding sequences of a step go in a few calls, each
-//! padded to its longest; a prompt, or any sequence under ALiBi, in a call of its own.
+//! for runs of rows too long for it. The sequences of a step with at most 32 rows go in a few
+//! calls, each padded to its longest; a prompt, any sequence under ALiBi, and one the calls
+//! leave alone (the only one of its kind, or too long to share a call) in a call of its own.
 
 use std::ops::Range;
 
@@ -63,8 +64,9 @@ impl MultiHeadAttention {
 
     /// The context heads `[1, n_heads, rows, head_dim]` of each of `sequences` that goes in a
     /// batched call (at most [`IN_PLACE_ROWS`] rows, not under ALiBi), `None` for the others.
-    /// The longest first, the sequences fill calls while a call's keys widened to every query
-    /// head stay within [`BATCH_BYTES`]; a sequence alone in its call is left to the caller.
+    /// Decoding steps (one row) and short continuations apart, the longest first, the
+    /// sequences fill calls while a call's keys widened to every query head stay within
+    /// [`BATCH_BYTES`]; a sequence alone in its call is left to the caller.
     pub(super) fn batched_contexts(
         &self,
         heads: &StepHeads,
@@ -76,19 +78,21 @@ impl MultiHeadAttention {
             return contexts;
         }
         let block_size = cache.block_size();
-        let candidates: Vec<(usize, usize)> = sequences
+        // Decoding steps (one row) apart from short continuations: a call pads every member's
+        // queries to its most rows.
+        let (single, several): (Vec<_>, Vec<_>) = sequences
             .iter()
             .enumerate()
             .filter(|(_, sequence)| sequence.rows.len() <= IN_PLACE_ROWS)
             .map(|(index, sequence)| (index, sequence.past - sequence.table.first_held(block_size)))
-            .collect();
+            .partition(|&(index, _)| sequences[index].rows.len() == 1);
         let key_bytes = self.n_heads * self.head_dim * size_of::<f32>();
         let limit = CallLimit {
             bytes: BATCH_BYTES,
             key_bytes,
             block_size,
         };
-        for group in limit.groups(candidates) {
+        for group in [limit.groups(single), limit.groups(several)].concat() {
             let members: Vec<&SequenceStep> = group.iter().map(|&i| &sequences[i]).collect();
             let batch = self.batched_gathered_attention(heads, &members, cache);
             for (place, &index) in group.iter().enumerate() {
@@ -103,8 +107,9 @@ impl MultiHeadAttention {
     /// head_dim]`: row `i` of the batch is `sequences[i]`, its new rows first (the rest
     /// repeat its last and are to be dropped). Each row's keys are its held stored positions,
     /// gathered from the blocks of all the sequences at once and padded behind to the whole
-    /// blocks of the longest (so that the shapes, for which a GPU compiles its kernels, change
-    /// once a block rather than every step), then its new positions padded to the most rows;
+    /// blocks of the longest (so that, while a call keeps its members, its shapes, for which a
+    /// GPU compiles its kernels, change once a block rather than every step), then its new
+    /// positions padded to the most rows;
     /// one mask hides the padding and what causal masking and the window hide from each query
     /// at its own position.
     ///
@@ -339,15 +344,16 @@ mod tests {
     #[test]
     fn rows_repeat_their_last_and_keys_hide_padding_the_future_and_the_window() {
         // Sequence 0: two new rows (step rows 0 and 1) after 3 stored positions; sequence 1:
-        // one row (step row 2) after 5 stored, the first 4 given back (held: position 4).
+        // one row (step row 2) after 5 stored, the first 4 given back (held: position 4);
+        // sequence 2: one row (step row 3), nothing stored.
         let layout = BatchLayout {
-            members: vec![member(0..2, 3, 0), member(2..3, 5, 4)],
+            members: vec![member(0..2, 3, 0), member(2..3, 5, 4), member(3..4, 0, 0)],
             most_rows: 2,
             past_keys: 3,
         };
         let device = Device::flex();
         let rows = layout.row_indices(&device).into_data();
-        assert_eq!(rows.iter::<i64>().collect::<Vec<_>>(), [0, 1, 2, 2]);
+        assert_eq!(rows.iter::<i64>().collect::<Vec<_>>(), [0, 1, 2, 2, 3, 3]);
         let hidden = |window| -> Vec<bool> {
             layout
                 .hidden(window, &device)
@@ -363,6 +369,8 @@ mod tests {
             o, o, o, o, o, // row 1 (position 4): stored 0-2, both new
             o, x, x, o, x, // sequence 1, row 0 (position 5): stored 4, itself
             o, x, x, o, x, // its padding row, as its last
+            x, x, x, o, x, // sequence 2 (position 0): itself only
+            x, x, x, o, x,
         ];
         assert_eq!(hidden(None), everything);
         // A window of 2: position 3 sees 2-3, position 4 sees 3-4, position 5 sees 4-5.
@@ -372,6 +380,8 @@ mod tests {
             x, x, x, o, o,
             o, x, x, o, x,
             o, x, x, o, x,
+            x, x, x, o, x,
+            x, x, x, o, x,
         ];
         assert_eq!(hidden(Some(2)), window);
     }

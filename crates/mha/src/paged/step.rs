@@ -158,8 +158,9 @@ impl MultiHeadAttention {
 }
 
 /// Sequences with at most this many rows in a step (decoding steps, short continuations) are
-/// read through their block tables in place where the native kernel runs; longer ones (a
-/// prompt being prefilled) are gathered and go to the GEMM-based kernels.
+/// read through their block tables in place where the native kernel runs, and elsewhere share
+/// gathered calls; longer ones (a prompt being prefilled) are gathered one at a time and go to
+/// the GEMM-based kernels.
 ///
 /// Why: a decoding row is bound by reading its cache, which the in-place kernel reads once;
 /// a prompt's rows each read every key again, which the flash kernel's matrix products do

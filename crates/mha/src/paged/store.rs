@@ -327,6 +327,7 @@ pub(crate) trait BlockTensor: Clone + Sized {
     fn select_blocks(&self, blocks: Tensor<1, Int>) -> Self;
     fn reshaped(self, shape: [usize; 4]) -> Self;
     fn swapped_first(self) -> Self;
+    /// Axes 1 and 2 swapped.
     fn swapped_middle(self) -> Self;
     fn swapped_last(self) -> Self;
     fn narrowed(self, axis: usize, start: usize, len: usize) -> Self;
