@@ -52,7 +52,7 @@ use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig};
 use burn::tensor::{Bool, Device, Tensor};
 use burn_mha::serving::{
     CacheBytes, Choice, Decision, Decoding, Numbers, Served, TABLE_HEADER, TokenSlot,
-    check_same_tokens, embed, last_rows, report, space_arrivals,
+    check_same_tokens, embed, last_rows, next_static_batch, report, space_arrivals,
 };
 use burn_mha::{ProgramOptions, device_and_options};
 use mha::transformer::{
@@ -544,14 +544,9 @@ fn serve_in_static_batches(model: &Model, requests: &[Request], device: &Device)
     let started = Instant::now();
     let mut next = 0;
     while next < requests.len() {
-        std::thread::sleep(requests[next].arrival.saturating_sub(started.elapsed()));
-        let now = started.elapsed();
-        let arrived = requests[next..]
-            .iter()
-            .take_while(|request| request.arrival <= now)
-            .count();
-        let batch: Vec<usize> = (next..next + arrived).collect();
-        next += arrived;
+        let batch = next_static_batch(&served.arrivals, next, started);
+        next = batch.end;
+        let batch: Vec<usize> = batch.collect();
         serve_a_static_batch(model, requests, &batch, &mut served, started, device);
     }
     served.wall = started.elapsed();

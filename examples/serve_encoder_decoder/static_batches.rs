@@ -4,7 +4,7 @@
 use std::time::{Duration, Instant};
 
 use burn::tensor::{Bool, Device, Tensor};
-use burn_mha::serving::{CacheBytes, Decoding, Served};
+use burn_mha::serving::{CacheBytes, Decoding, Served, next_static_batch};
 use mha::transformer::TransformerDecoderCache;
 
 use crate::model::{D_MODEL, LAYERS, Model, POSITION_BYTES, Padding, Request, VOCAB};
@@ -78,18 +78,11 @@ impl<'a> StaticBatching<'a> {
     pub(crate) fn serve(mut self) -> (Served, Batches) {
         let mut next = 0;
         while next < self.requests.len() {
-            let arrival = self.requests[next].arrival;
-            std::thread::sleep(arrival.saturating_sub(self.started.elapsed()));
-            let now = self.started.elapsed();
-            let arrived = self.requests[next..]
-                .iter()
-                .take_while(|request| request.arrival <= now)
-                .count();
-            let batch: Vec<usize> = (next..next + arrived).collect();
-            next += arrived;
+            let batch = next_static_batch(&self.served.arrivals, next, self.started);
+            next = batch.end;
             self.batches.count += 1;
-            self.batches.largest = self.batches.largest.max(arrived);
-            self.serve_batch(&batch);
+            self.batches.largest = self.batches.largest.max(batch.len());
+            self.serve_batch(&batch.collect::<Vec<_>>());
         }
         self.served.wall = self.started.elapsed();
         (self.served, self.batches)

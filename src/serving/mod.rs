@@ -5,7 +5,8 @@
 
 mod choosing;
 
-use std::time::Duration;
+use std::ops::Range;
+use std::time::{Duration, Instant};
 
 use burn::nn::Embedding;
 use burn::tensor::{Device, Int, Tensor, TensorData};
@@ -40,6 +41,23 @@ impl Numbers {
             .wrapping_add(1);
         (self.state >> 33) % bound
     }
+}
+
+/// The next static batch of a stream whose requests arrive at `arrivals` (from `started`),
+/// `next` the first not yet served: waits for that one, then takes every request arrived by
+/// then, in order.
+///
+/// # Panics
+///
+/// If `next` is past the stream.
+pub fn next_static_batch(arrivals: &[Duration], next: usize, started: Instant) -> Range<usize> {
+    std::thread::sleep(arrivals[next].saturating_sub(started.elapsed()));
+    let now = started.elapsed();
+    let arrived = arrivals[next..]
+        .iter()
+        .take_while(|&&arrival| arrival <= now)
+        .count();
+    next..next + arrived
 }
 
 /// Sets `arrivals`, in order, one every `interval_ms` milliseconds from 0 (0: all at once);

@@ -84,7 +84,7 @@ impl MultiHeadAttention {
             .iter()
             .enumerate()
             .filter(|(_, sequence)| sequence.rows.len() <= IN_PLACE_ROWS)
-            .map(|(index, sequence)| (index, sequence.past - sequence.table.first_held(block_size)))
+            .map(|(index, sequence)| (index, Member::of(sequence, block_size).held()))
             .partition(|&(index, _)| sequences[index].rows.len() == 1);
         let key_bytes = self.n_heads * self.head_dim * size_of::<f32>();
         let limit = CallLimit {
@@ -215,6 +215,14 @@ struct Member {
 }
 
 impl Member {
+    fn of(sequence: &SequenceStep, block_size: usize) -> Self {
+        Member {
+            rows: sequence.rows.clone(),
+            past: sequence.past,
+            first_held: sequence.table.first_held(block_size),
+        }
+    }
+
     /// Stored positions it holds, from its first held one.
     fn held(&self) -> usize {
         self.past - self.first_held
@@ -235,11 +243,7 @@ impl BatchLayout {
     fn of(sequences: &[&SequenceStep], block_size: usize) -> Self {
         let members: Vec<Member> = sequences
             .iter()
-            .map(|sequence| Member {
-                rows: sequence.rows.clone(),
-                past: sequence.past,
-                first_held: sequence.table.first_held(block_size),
-            })
+            .map(|sequence| Member::of(sequence, block_size))
             .collect();
         let most_rows = members.iter().map(|member| member.rows.len()).max();
         let longest_past = members.iter().map(Member::held).max().unwrap_or(0);
