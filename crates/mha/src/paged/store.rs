@@ -5,7 +5,7 @@
 
 use std::ops::Range;
 
-use burn::tensor::{DType, Device, Int, Tensor, TensorData};
+use burn::tensor::{DType, Device, IndexingUpdateOp, Int, Tensor, TensorData};
 
 use super::cache::{BlockTable, PagedKvCacheConfig};
 use super::cpu::{Int8Blocks, PoolWrite, Slot, native_write, native_write_int8};
@@ -197,8 +197,9 @@ impl BlockStore {
 
     /// The pool with every write's rows of `rows` (the step's `[1, heads, step rows, dim]`)
     /// written at its sequence's positions: in place, in one pass, where the native writer
-    /// takes the pool (f32 rows on flex or ndarray, into f32, f16 or int8 blocks), else with
-    /// [`BlockStore::written`] per write.
+    /// takes the pool (f32 rows on flex or ndarray, into f32, f16 or int8 blocks), else the
+    /// writes of at most [`SCATTERED_ROWS`] rows in one scatter where there are two or more,
+    /// the others with [`BlockStore::written`] per write.
     pub fn written_all(self, writes: &[RowsWrite], rows: &Tensor<4>) -> Self {
         let layout = self.layout;
         let shape = match &self.data {
@@ -235,7 +236,21 @@ impl BlockStore {
                 }
             }
         };
-        writes.iter().fold(Self { data, layout }, |store, write| {
+        let (short, long): (Vec<&RowsWrite>, Vec<&RowsWrite>) = writes
+            .iter()
+            .partition(|write| write.rows.len() <= SCATTERED_ROWS);
+        let store = Self { data, layout };
+        // A short write alone is as well one or two assignments, with no indices to upload.
+        let (store, by_block) = if short.len() > 1 {
+            let slots: Vec<Slot> = short
+                .iter()
+                .flat_map(|write| write.slots(block_size))
+                .collect();
+            (store.scattered(&slots, rows), long)
+        } else {
+            (store, writes.iter().collect())
+        };
+        by_block.into_iter().fold(store, |store, write| {
             let (start, count) = (write.rows.start, write.rows.len());
             store.written(
                 write.table,
@@ -243,6 +258,32 @@ impl BlockStore {
                 rows.clone().narrow(2, start, count),
             )
         })
+    }
+
+    /// The pool with row `slot.row` of `rows` (the step's `[1, heads, step rows, dim]`)
+    /// written at each of `slots`, in one scatter of all of them (vLLM's `reshape_and_cache`).
+    fn scattered(self, slots: &[Slot], rows: &Tensor<4>) -> Self {
+        let layout = self.layout;
+        let picked = picked_rows(rows, slots);
+        let data = match self.data {
+            BlockData::Float { blocks } => {
+                let picked = in_dtype(picked, blocks.dtype());
+                BlockData::Float {
+                    blocks: blocks.with_rows_scattered(layout, slots, picked),
+                }
+            }
+            BlockData::Int8 { values, scales } => {
+                let Quantized {
+                    values: new_values,
+                    scales: new_scales,
+                } = quantize_int8(picked);
+                BlockData::Int8 {
+                    values: values.with_rows_scattered(layout, slots, new_values),
+                    scales: scales.with_rows_scattered(layout, slots, new_scales),
+                }
+            }
+        };
+        Self { data, layout }
     }
 
     /// The positions of `table` from its first held one ([`BlockTable::first_held`]) up to
@@ -277,6 +318,55 @@ impl BlockStore {
             ),
         }
     }
+}
+
+/// Rows of a step's sequence that go into the step's one scatter ([`BlockStore::written_all`]
+/// off the native writer) where other short writes share it: a decoding step's row, a
+/// continuation's few. Why a bound: a feature-major pool's scatter names every feature of
+/// every row, four indices each, and a prompt's run of whole blocks is as well written by
+/// one assignment per block.
+const SCATTERED_ROWS: usize = 32;
+
+/// The rows of `rows` (`[1, heads, step rows, dim]`) that `slots` name, in their order: the
+/// tensor itself where they are all of its rows in order.
+fn picked_rows(rows: &Tensor<4>, slots: &[Slot]) -> Tensor<4> {
+    let first = slots[0].row;
+    let in_a_run = slots
+        .iter()
+        .enumerate()
+        .all(|(index, slot)| slot.row == first + index);
+    if in_a_run && first == 0 && slots.len() == rows.dims()[2] {
+        rows.clone()
+    } else if in_a_run {
+        rows.clone().narrow(2, first, slots.len())
+    } else {
+        let indices: Vec<i64> = slots.iter().map(|slot| slot.row as i64).collect();
+        let indices =
+            Tensor::<1, Int>::from_data(TensorData::new(indices, [slots.len()]), &rows.device());
+        rows.clone().select(2, indices)
+    }
+}
+
+/// The indices of a scatter of `slots`' rows of `heads` heads and `dim` features into a pool
+/// laid out as `layout`: `[rows, heads, 3]` (block, head, position) position-major, whose
+/// scatter writes each row's features as one slice; `[rows, heads, dim, 4]` (block, head,
+/// feature, position) feature-major, where a row's features lie a block's positions apart.
+fn scatter_indices(layout: BlockLayout, slots: &[Slot], heads: usize, dim: usize) -> Vec<i64> {
+    let mut indices = Vec::new();
+    for slot in slots {
+        let (block, offset) = (slot.block as i64, slot.offset as i64);
+        for head in 0..heads as i64 {
+            match layout {
+                BlockLayout::PositionMajor => indices.extend([block, head, offset]),
+                BlockLayout::FeatureMajor => {
+                    for feature in 0..dim as i64 {
+                        indices.extend([block, head, feature, offset]);
+                    }
+                }
+            }
+        }
+    }
+    indices
 }
 
 /// One sequence's rows of a step, and where they go.
@@ -331,6 +421,9 @@ pub(crate) trait BlockTensor: Clone + Sized {
     fn swapped_middle(self) -> Self;
     fn swapped_last(self) -> Self;
     fn narrowed(self, axis: usize, start: usize, len: usize) -> Self;
+    /// Row `i` of `rows` (`[1, heads, slots, dim]`, position-major) assigned at `slots[i]` of
+    /// the pool (laid out as `layout`), in one scatter.
+    fn with_rows_scattered(self, layout: BlockLayout, slots: &[Slot], rows: Self) -> Self;
 }
 
 macro_rules! block_tensor {
@@ -381,6 +474,26 @@ macro_rules! block_tensor {
             }
             fn narrowed(self, axis: usize, start: usize, len: usize) -> Self {
                 self.narrow(axis, start, len)
+            }
+            fn with_rows_scattered(self, layout: BlockLayout, slots: &[Slot], rows: Self) -> Self {
+                let [_, heads, count, dim] = Tensor::dims(&rows);
+                let device = Tensor::device(&self);
+                let indices = scatter_indices(layout, slots, heads, dim);
+                let rows = rows.swap_dims(0, 2).reshape([count, heads, dim]);
+                match layout {
+                    BlockLayout::PositionMajor => {
+                        let shape = [count, heads, 3];
+                        let indices =
+                            Tensor::<3, Int>::from_data(TensorData::new(indices, shape), &device);
+                        self.scatter_nd(indices, rows, IndexingUpdateOp::Assign)
+                    }
+                    BlockLayout::FeatureMajor => {
+                        let shape = [count, heads, dim, 4];
+                        let indices =
+                            Tensor::<4, Int>::from_data(TensorData::new(indices, shape), &device);
+                        self.scatter_nd(indices, rows, IndexingUpdateOp::Assign)
+                    }
+                }
             }
         }
     };
@@ -496,6 +609,81 @@ mod tests {
                     }
                 };
                 assert_eq!(buffers, vec![true; buffers.len()], "{storage:?} {layout:?}");
+            }
+        }
+    }
+
+    /// A store's tensors as f32 or i32 data, to compare two stores to the bit.
+    fn contents(store: BlockStore) -> Vec<TensorData> {
+        match store.data {
+            BlockData::Float { blocks } => vec![blocks.into_data()],
+            BlockData::Int8 { values, scales } => vec![values.into_data(), scales.into_data()],
+        }
+    }
+
+    /// Off the native writer (autodiff), a step's short writes go into one scatter and a
+    /// prompt's long one block by block: the pool ends as one assignment per block and
+    /// sequence leaves it, in every storage and layout, the short writes' rows in a run of
+    /// the step's rows or apart.
+    #[test]
+    fn a_steps_short_writes_in_one_scatter_equal_block_writes() {
+        let device = Device::flex().autodiff();
+        let (heads, dim, block_size) = (2, 3, 4);
+        let table = |blocks: Vec<usize>, len: usize| BlockTable {
+            blocks,
+            len,
+            released: 0,
+        };
+        // One row at position 5; three rows from 3, across a block's end; a prompt of 40.
+        let one_row = table(vec![4, 0], 6);
+        let three_rows = table(vec![2, 6], 6);
+        let prompt = table((7..17).collect(), 40);
+        let values: Vec<f32> = (0..heads * 44 * dim)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.173)
+            .collect();
+        let rows = Tensor::<4>::from_data(TensorData::new(values, [1, heads, 44, dim]), &device);
+        let orders = [
+            // The short writes' rows a run at the start of the step.
+            [
+                (&one_row, 5, 0..1),
+                (&three_rows, 3, 1..4),
+                (&prompt, 0, 4..44),
+            ],
+            // The prompt's rows between them.
+            [
+                (&one_row, 5, 0..1),
+                (&prompt, 0, 1..41),
+                (&three_rows, 3, 41..44),
+            ],
+        ];
+        for storage in [CacheStorage::Float, CacheStorage::Half, CacheStorage::Int8] {
+            for layout in [BlockLayout::PositionMajor, BlockLayout::FeatureMajor] {
+                let config = PagedKvCacheConfig::new(17)
+                    .with_block_size(block_size)
+                    .with_storage(storage);
+                let options = (&device, DType::F32);
+                for order in &orders {
+                    let empty = BlockStore::new(config, layout, (heads, dim), options).grown(17);
+                    let writes: Vec<RowsWrite> = order
+                        .iter()
+                        .map(|(table, past, rows)| RowsWrite {
+                            table,
+                            past: *past,
+                            rows: rows.clone(),
+                        })
+                        .collect();
+                    let by_block = writes.iter().fold(empty.clone(), |store, write| {
+                        let rows = rows.clone().narrow(2, write.rows.start, write.rows.len());
+                        store.written(write.table, write.past, rows)
+                    });
+                    let all = empty.written_all(&writes, &rows);
+                    assert_eq!(
+                        contents(all),
+                        contents(by_block),
+                        "{storage:?} {layout:?} {:?}",
+                        order.each_ref().map(|(_, _, rows)| rows)
+                    );
+                }
             }
         }
     }
