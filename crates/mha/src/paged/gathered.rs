@@ -2,8 +2,9 @@
 //! contiguous tensors with tensor ops and attended to by the kernel
 //! [`AttentionPath::Auto`] picks, on backends without the native kernel (GPUs, autodiff) and
 //! for runs of rows too long for it. The sequences of a step with at most 32 rows go in a few
-//! calls, each padded to its longest; a prompt, any sequence under ALiBi, and one the calls
-//! leave alone (the only one of its kind, or too long to share a call) in a call of its own.
+//! calls, each padded to its longest (under ALiBi with each sequence's penalty at its own
+//! positions in a float mask); a prompt, and one the calls leave alone (the only one of its
+//! kind, or too long to share a call), in a call of its own.
 
 use std::ops::Range;
 
@@ -11,6 +12,7 @@ use burn::tensor::{Bool, DType, Device, Int, Tensor, TensorData};
 
 use super::cache::{PagedKvCache, SequenceStep};
 use super::step::{IN_PLACE_ROWS, StepHeads};
+use crate::alibi::alibi_slopes;
 use crate::input::{AttentionPath, IntoAttnMask, NeedWeights};
 use crate::mask::{Positions, Visibility};
 use crate::module::MultiHeadAttention;
@@ -63,7 +65,7 @@ impl MultiHeadAttention {
     }
 
     /// The context heads `[1, n_heads, rows, head_dim]` of each of `sequences` that goes in a
-    /// batched call (at most [`IN_PLACE_ROWS`] rows, not under ALiBi), `None` for the others.
+    /// batched call (at most [`IN_PLACE_ROWS`] rows), `None` for the others.
     /// Decoding steps (one row) and short continuations apart, the longest first, the
     /// sequences fill calls while a call's keys widened to every query head stay within
     /// [`BATCH_BYTES`]; a sequence alone in its call is left to the caller.
@@ -74,9 +76,6 @@ impl MultiHeadAttention {
         cache: &PagedKvCache,
     ) -> Vec<Option<Tensor<4>>> {
         let mut contexts = vec![None; sequences.len()];
-        if self.alibi {
-            return contexts;
-        }
         let block_size = cache.block_size();
         // Decoding steps (one row) apart from short continuations: a call pads every member's
         // queries to its most rows.
@@ -111,20 +110,14 @@ impl MultiHeadAttention {
     /// GPU compiles its kernels, change once a block rather than every step), then its new
     /// positions padded to the most rows;
     /// one mask hides the padding and what causal masking and the window hide from each query
-    /// at its own position.
-    ///
-    /// Not under ALiBi, whose penalty depends on each sequence's own offset between its keys
-    /// and queries (the caller attends those one at a time).
+    /// at its own position: a bool mask, or under ALiBi a float one that also carries each
+    /// head's penalty for each sequence's own distances between its queries and keys.
     pub(super) fn batched_gathered_attention(
         &self,
         heads: &StepHeads,
         sequences: &[&SequenceStep],
         cache: &PagedKvCache,
     ) -> Tensor<4> {
-        assert!(
-            !self.alibi,
-            "paged attention: a batched call takes no ALiBi (each sequence has its own offsets)"
-        );
         let layout = BatchLayout::of(sequences, cache.block_size());
         let StepHeads { query, key, value } = heads;
         let device = query.device();
@@ -154,8 +147,20 @@ impl MultiHeadAttention {
             value = Tensor::cat(vec![past_value, value], 2);
         }
         let (key, value) = self.append_extra_positions(key, value);
+        // ALiBi's penalty depends on each sequence's own positions: a float mask carries it.
+        let attn_mask = if self.alibi {
+            let slopes: Vec<f32> = alibi_slopes(self.n_heads)
+                .into_iter()
+                .map(|slope| slope as f32)
+                .collect();
+            layout
+                .alibi_bias(self.window, &slopes, &device)
+                .into_attn_mask()
+        } else {
+            layout.hidden(self.window, &device).into_attn_mask()
+        };
         let visibility = Visibility {
-            attn_mask: Some(layout.hidden(self.window, &device).into_attn_mask()),
+            attn_mask: Some(attn_mask),
             extra_keys: self.extra_keys(),
             ..Visibility::nothing_hidden()
         };
@@ -174,14 +179,15 @@ impl MultiHeadAttention {
 /// The most bytes a batched call's keys may take widened to every query head (f32): the
 /// explicit path repeats grouped key/value heads, and wgpu binds at most 128 MiB to a shader
 /// by default. Longer sequences go in smaller calls (or alone).
-const BATCH_BYTES: usize = 32 << 20;
+pub(crate) const BATCH_BYTES: usize = 32 << 20;
 
 /// What bounds a batched call's size: its keys widened to every query head within `bytes`.
-struct CallLimit {
-    bytes: usize,
+pub(crate) struct CallLimit {
+    pub bytes: usize,
     /// Bytes of one key position widened to every query head.
-    key_bytes: usize,
-    block_size: usize,
+    pub key_bytes: usize,
+    /// Stored keys are padded to whole blocks of this many positions (1: not padded).
+    pub block_size: usize,
 }
 
 impl CallLimit {
@@ -189,7 +195,7 @@ impl CallLimit {
     /// two, the longest first, each as many as fit beside its longest (its stored positions
     /// in whole blocks, and room for [`IN_PLACE_ROWS`] new ones); the sequences left alone are
     /// in none.
-    fn groups(&self, mut candidates: Vec<(usize, usize)>) -> Vec<Vec<usize>> {
+    pub(crate) fn groups(&self, mut candidates: Vec<(usize, usize)>) -> Vec<Vec<usize>> {
         candidates.sort_by_key(|&(_, held)| std::cmp::Reverse(held));
         let mut groups = Vec::new();
         let mut rest = candidates.as_slice();
@@ -274,32 +280,65 @@ impl BatchLayout {
         Tensor::from_data(TensorData::new(indices, [count]), device)
     }
 
-    /// `[sequences, most_rows, keys]`, `true` where a query may not attend to a key: padding
-    /// (of the stored positions or the new ones), a new key after the query, a key `window`
-    /// or more positions before it. A padding query row sees what its sequence's last row sees.
-    fn hidden(&self, window: Option<usize>, device: &Device) -> Tensor<3, Bool> {
+    /// For each sequence, query row and key of the call, in that order, how far the key lies
+    /// behind the query (query position − key position) where the query may attend to it;
+    /// `None` where it may not: padding (of the stored positions or the new ones), a new key
+    /// after the query, a key `window` or more positions before it. A padding query row sees
+    /// what its sequence's last row sees.
+    fn distances(&self, window: Option<usize>) -> Vec<Option<usize>> {
         let keys = self.keys();
-        let mut hidden = Vec::with_capacity(self.members.len() * self.most_rows * keys);
+        let mut distances = Vec::with_capacity(self.members.len() * self.most_rows * keys);
         for member in &self.members {
             let new = member.rows.len();
             for row in 0..self.most_rows {
                 let row = row.min(new - 1);
                 let query = member.past + row;
-                hidden.extend((0..keys).map(|key| {
+                distances.extend((0..keys).map(|key| {
                     let position = if key < self.past_keys {
                         (key < member.held()).then_some(member.first_held + key)
                     } else {
                         let offset = key - self.past_keys;
                         (offset <= row).then_some(member.past + offset)
                     };
-                    position.is_none_or(|position| {
-                        window.is_some_and(|window| query - position >= window)
-                    })
+                    let distance = query - position?;
+                    window
+                        .is_none_or(|window| distance < window)
+                        .then_some(distance)
                 }));
             }
         }
-        let shape = [self.members.len(), self.most_rows, keys];
+        distances
+    }
+
+    /// `[sequences, most_rows, keys]`, `true` where a query may not attend to a key
+    /// ([`BatchLayout::distances`]).
+    fn hidden(&self, window: Option<usize>, device: &Device) -> Tensor<3, Bool> {
+        let hidden: Vec<bool> = self.distances(window).iter().map(Option::is_none).collect();
+        let shape = [self.members.len(), self.most_rows, self.keys()];
         Tensor::from_data(TensorData::new(hidden, shape), device)
+    }
+
+    /// ALiBi's penalty as a float mask `[sequences, heads, most_rows, keys]`: `-slope ·
+    /// distance` for each head's slope where a query may attend to a key (each sequence at its
+    /// own positions), `-inf` where it may not. Made on the device from the distances and the
+    /// slopes, so that the host sends one float per query and key, not one per head too.
+    fn alibi_bias(&self, window: Option<usize>, slopes: &[f32], device: &Device) -> Tensor<4> {
+        let distances = self.distances(window);
+        let hidden: Vec<bool> = distances.iter().map(Option::is_none).collect();
+        let distances: Vec<f32> = distances
+            .iter()
+            .map(|distance| distance.unwrap_or(0) as f32)
+            .collect();
+        let shape = [self.members.len(), 1, self.most_rows, self.keys()];
+        let heads = slopes.len();
+        let penalties =
+            Tensor::<4>::from_data(TensorData::new(slopes.to_vec(), [1, heads, 1, 1]), device);
+        let [sequences, _, rows, keys] = shape;
+        let full = [sequences, heads, rows, keys];
+        let hidden = Tensor::<4, Bool>::from_data(TensorData::new(hidden, shape), device);
+        Tensor::<4>::from_data(TensorData::new(distances, shape), device)
+            .mul(penalties.neg())
+            .mask_fill(hidden.expand(full), f32::NEG_INFINITY)
     }
 }
 
@@ -388,5 +427,62 @@ mod tests {
             x, x, x, o, x,
         ];
         assert_eq!(hidden(Some(2)), window);
+    }
+
+    #[test]
+    fn alibi_penalises_each_sequence_at_its_own_distances_and_forbids_what_is_hidden() {
+        // The layout of the test above: sequence 0 two rows after 3 stored positions,
+        // sequence 1 one row after 5 (position 4 held), sequence 2 one row, nothing stored.
+        let layout = BatchLayout {
+            members: vec![member(0..2, 3, 0), member(2..3, 5, 4), member(3..4, 0, 0)],
+            most_rows: 2,
+            past_keys: 3,
+        };
+        let n = None;
+        // Keys: 3 stored (padded), then 2 new (padded); a query's distance to each.
+        #[rustfmt::skip]
+        let distances = [
+            Some(3), Some(2), Some(1), Some(0), n,       // sequence 0, position 3
+            Some(4), Some(3), Some(2), Some(1), Some(0), // position 4
+            Some(1), n, n, Some(0), n,                   // sequence 1, position 5
+            Some(1), n, n, Some(0), n,                   // its padding row
+            n, n, n, Some(0), n,                         // sequence 2, position 0
+            n, n, n, Some(0), n,
+        ];
+        assert_eq!(layout.distances(None), distances);
+        let slopes = [0.5, 0.25];
+        let bias = layout
+            .alibi_bias(None, &slopes, &Device::flex())
+            .into_data()
+            .to_vec::<f32>()
+            .unwrap();
+        let per_sequence = 2 * layout.keys();
+        let expected: Vec<f32> = distances
+            .chunks(per_sequence)
+            .flat_map(|sequence| {
+                slopes.iter().flat_map(move |slope| {
+                    sequence.iter().map(move |distance| {
+                        distance.map_or(f32::NEG_INFINITY, |distance| -slope * distance as f32)
+                    })
+                })
+            })
+            .collect();
+        assert_eq!(bias, expected);
+        // A window of 2 forbids what it hides.
+        let windowed = layout.alibi_bias(Some(2), &slopes, &Device::flex());
+        let forbidden: Vec<bool> = windowed
+            .into_data()
+            .iter::<f32>()
+            .map(|value| value == f32::NEG_INFINITY)
+            .collect();
+        let hidden: Vec<bool> = layout
+            .hidden(Some(2), &Device::flex())
+            .into_data()
+            .to_vec::<bool>()
+            .unwrap()
+            .chunks(per_sequence)
+            .flat_map(|sequence| [sequence, sequence].concat())
+            .collect();
+        assert_eq!(forbidden, hidden);
     }
 }
