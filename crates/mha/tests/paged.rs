@@ -183,7 +183,7 @@ fn blocks_of_one_position_equal_decoding_alone() {
 fn autodiff_devices_take_the_gathered_path_with_the_same_results() {
     let device = Device::flex().autodiff();
     let _seed = common::seed(&device, 32);
-    // The step's short runs in batched calls, under ALiBi too (a window releasing blocks).
+    // The step's short runs in batched calls, under ALiBi too; a window releasing blocks.
     for (label, config) in configs().into_iter().take(6) {
         let module = config.init(&device);
         for storage in storages(&device) {

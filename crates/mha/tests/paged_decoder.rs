@@ -190,6 +190,11 @@ fn an_autodiff_device_serves_each_sequence_as_decoding_it_alone() {
     let (a, b) = (harness.add(6), harness.add(2));
     harness.step(&[(b, 3), (a, 5)]);
     harness.step(&[(a, 1), (b, 1)]);
+    // Two decoding rows in a batched call beside a 33-row prompt attended alone, then two
+    // short continuations batched beside a decoding row alone of its kind.
+    let c = harness.add(9);
+    harness.step(&[(a, 1), (c, 33), (b, 1)]);
+    harness.step(&[(c, 1), (a, 2), (b, 3)]);
 }
 
 #[test]

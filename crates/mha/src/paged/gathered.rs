@@ -179,15 +179,14 @@ impl MultiHeadAttention {
 /// The most bytes a batched call's keys may take widened to every query head (f32): the
 /// explicit path repeats grouped key/value heads, and wgpu binds at most 128 MiB to a shader
 /// by default. Longer sequences go in smaller calls (or alone).
-pub(crate) const BATCH_BYTES: usize = 32 << 20;
+const BATCH_BYTES: usize = 32 << 20;
 
 /// What bounds a batched call's size: its keys widened to every query head within `bytes`.
-pub(crate) struct CallLimit {
-    pub bytes: usize,
+struct CallLimit {
+    bytes: usize,
     /// Bytes of one key position widened to every query head.
-    pub key_bytes: usize,
-    /// Stored keys are padded to whole blocks of this many positions (1: not padded).
-    pub block_size: usize,
+    key_bytes: usize,
+    block_size: usize,
 }
 
 impl CallLimit {
@@ -195,7 +194,7 @@ impl CallLimit {
     /// two, the longest first, each as many as fit beside its longest (its stored positions
     /// in whole blocks, and room for [`IN_PLACE_ROWS`] new ones); the sequences left alone are
     /// in none.
-    pub(crate) fn groups(&self, mut candidates: Vec<(usize, usize)>) -> Vec<Vec<usize>> {
+    fn groups(&self, mut candidates: Vec<(usize, usize)>) -> Vec<Vec<usize>> {
         candidates.sort_by_key(|&(_, held)| std::cmp::Reverse(held));
         let mut groups = Vec::new();
         let mut rest = candidates.as_slice();
@@ -321,7 +320,8 @@ impl BatchLayout {
     /// ALiBi's penalty as a float mask `[sequences, heads, most_rows, keys]`: `-slope ·
     /// distance` for each head's slope where a query may attend to a key (each sequence at its
     /// own positions), `-inf` where it may not. Made on the device from the distances and the
-    /// slopes, so that the host sends one float per query and key, not one per head too.
+    /// slopes, so that the host sends a distance and a flag per query and key, not a float
+    /// per head too.
     fn alibi_bias(&self, window: Option<usize>, slopes: &[f32], device: &Device) -> Tensor<4> {
         let distances = self.distances(window);
         let hidden: Vec<bool> = distances.iter().map(Option::is_none).collect();

@@ -45,7 +45,8 @@ impl MultiHeadAttention {
     /// and attended to by the kernel [`AttentionPath::Auto`](crate::AttentionPath::Auto)
     /// picks, the same results from a copy of their caches each step: the sequences with at
     /// most 32 rows in as few calls as keep each call's keys, padded to its longest sequence
-    /// and widened to every query head, within 32 MiB (one at a time under ALiBi); longer runs
+    /// and widened to every query head, within 32 MiB (under ALiBi with each sequence's
+    /// penalty in a float mask); longer runs
     /// of rows (a prompt, whose many queries the matrix products of the flash kernel serve
     /// better) one sequence at a time, there and on flex and ndarray.
     ///
@@ -129,7 +130,8 @@ impl MultiHeadAttention {
             return Ok(self.output_projection(context).reshape([rows, d_model]));
         }
         // The sequences the native kernel read, or else those of at most 32 rows in batched
-        // gathered calls; the others (prompts, or all under ALiBi) gathered one at a time.
+        // gathered calls; the others (prompts, a sequence alone in its kind) gathered one at a
+        // time.
         let mut contexts = match &native {
             Some(native) => step
                 .sequences

@@ -11,6 +11,7 @@ use super::cache::{BlockTable, PagedKvCacheConfig};
 use super::cpu::{Int8Blocks, PoolWrite, Slot, native_write, native_write_int8};
 use crate::cache::{CacheStorage, Quantized, dequantize_int8, in_dtype, quantize_int8};
 use crate::cpu::aligned::with_zeros_after;
+use crate::cpu::storage::native_storage;
 
 /// How a block lays out its positions and features.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -197,16 +198,12 @@ impl BlockStore {
 
     /// The pool with every write's rows of `rows` (the step's `[1, heads, step rows, dim]`)
     /// written at its sequence's positions: in place, in one pass, where the native writer
-    /// takes the pool (f32 rows on flex or ndarray, into f32, f16 or int8 blocks), else the
-    /// writes of at most [`SCATTERED_ROWS`] rows in one scatter where there are two or more,
-    /// the others with [`BlockStore::written`] per write.
+    /// takes the pool (f32 rows on flex or ndarray, into f32, f16 or int8 blocks), else
+    /// through tensor ops, [`TensorOpWrites::ByBlock`] on flex and ndarray (autodiff, rows of
+    /// another float type), [`TensorOpWrites::Scatter`] elsewhere (a GPU).
     pub fn written_all(self, writes: &[RowsWrite], rows: &Tensor<4>) -> Self {
         let layout = self.layout;
-        let shape = match &self.data {
-            BlockData::Float { blocks } => blocks.dims(),
-            BlockData::Int8 { values, .. } => values.dims(),
-        };
-        let block_size = shape[layout.position_axis()];
+        let block_size = self.block_size();
         let slots = writes
             .iter()
             .flat_map(|write| write.slots(block_size))
@@ -236,19 +233,45 @@ impl BlockStore {
                 }
             }
         };
+        // flex and ndarray assign into a pool held once in place, where flex's scatter copies
+        // the whole pool; on a GPU each assignment is a kernel launch of its own.
+        let how = if native_storage(&rows.device()) {
+            TensorOpWrites::ByBlock
+        } else {
+            TensorOpWrites::Scatter
+        };
+        Self { data, layout }.written_by_tensor_ops(writes, rows, how)
+    }
+
+    /// Positions in a block.
+    fn block_size(&self) -> usize {
+        let shape = match &self.data {
+            BlockData::Float { blocks } => blocks.dims(),
+            BlockData::Int8 { values, .. } => values.dims(),
+        };
+        shape[self.layout.position_axis()]
+    }
+
+    /// [`written_all`](Self::written_all) through tensor ops, the writes as `how` says.
+    fn written_by_tensor_ops(
+        self,
+        writes: &[RowsWrite],
+        rows: &Tensor<4>,
+        how: TensorOpWrites,
+    ) -> Self {
         let (short, long): (Vec<&RowsWrite>, Vec<&RowsWrite>) = writes
             .iter()
             .partition(|write| write.rows.len() <= SCATTERED_ROWS);
-        let store = Self { data, layout };
-        // A short write alone is as well one or two assignments, with no indices to upload.
-        let (store, by_block) = if short.len() > 1 {
+        // One short write keeps its one or few assignments, with no indices to upload.
+        let (store, by_block) = if how == TensorOpWrites::Scatter && short.len() > 1 {
+            let block_size = self.block_size();
             let slots: Vec<Slot> = short
                 .iter()
                 .flat_map(|write| write.slots(block_size))
                 .collect();
-            (store.scattered(&slots, rows), long)
+            (self.scattered(&slots, rows), long)
         } else {
-            (store, writes.iter().collect())
+            (self, writes.iter().collect())
         };
         by_block.into_iter().fold(store, |store, write| {
             let (start, count) = (write.rows.start, write.rows.len());
@@ -320,11 +343,19 @@ impl BlockStore {
     }
 }
 
-/// Rows of a step's sequence that go into the step's one scatter ([`BlockStore::written_all`]
-/// off the native writer) where other short writes share it: a decoding step's row, a
-/// continuation's few. Why a bound: a feature-major pool's scatter names every feature of
-/// every row, four indices each, and a prompt's run of whole blocks is as well written by
-/// one assignment per block.
+/// How the tensor ops write a step's rows into a pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum TensorOpWrites {
+    /// One assignment per write and block it touches.
+    ByBlock,
+    /// The writes of at most [`SCATTERED_ROWS`] rows in one scatter where there are two or
+    /// more (vLLM's `reshape_and_cache`), the others by block.
+    Scatter,
+}
+
+/// Rows of a step's sequence that go into the step's one scatter: a decoding step's row, a
+/// continuation's few. Why a bound: a prompt's run of whole blocks is as well written by one
+/// assignment per block, without its indices to upload.
 const SCATTERED_ROWS: usize = 32;
 
 /// The rows of `rows` (`[1, heads, step rows, dim]`) that `slots` name, in their order: the
@@ -347,26 +378,16 @@ fn picked_rows(rows: &Tensor<4>, slots: &[Slot]) -> Tensor<4> {
     }
 }
 
-/// The indices of a scatter of `slots`' rows of `heads` heads and `dim` features into a pool
-/// laid out as `layout`: `[rows, heads, 3]` (block, head, position) position-major, whose
-/// scatter writes each row's features as one slice; `[rows, heads, dim, 4]` (block, head,
-/// feature, position) feature-major, where a row's features lie a block's positions apart.
-fn scatter_indices(layout: BlockLayout, slots: &[Slot], heads: usize, dim: usize) -> Vec<i64> {
-    let mut indices = Vec::new();
-    for slot in slots {
-        let (block, offset) = (slot.block as i64, slot.offset as i64);
-        for head in 0..heads as i64 {
-            match layout {
-                BlockLayout::PositionMajor => indices.extend([block, head, offset]),
-                BlockLayout::FeatureMajor => {
-                    for feature in 0..dim as i64 {
-                        indices.extend([block, head, feature, offset]);
-                    }
-                }
-            }
-        }
-    }
-    indices
+/// The indices `[rows, heads, 3]` of a scatter of `slots`' rows of `heads` heads into a pool
+/// seen position-major (`[blocks, heads, block_size, dim]`): a row's block, head and position,
+/// its `dim` features one slice.
+fn scatter_indices(slots: &[Slot], heads: usize) -> Vec<i64> {
+    slots
+        .iter()
+        .flat_map(|slot| {
+            (0..heads as i64).flat_map(|head| [slot.block as i64, head, slot.offset as i64])
+        })
+        .collect()
 }
 
 /// One sequence's rows of a step, and where they go.
@@ -422,7 +443,10 @@ pub(crate) trait BlockTensor: Clone + Sized {
     fn swapped_last(self) -> Self;
     fn narrowed(self, axis: usize, start: usize, len: usize) -> Self;
     /// Row `i` of `rows` (`[1, heads, slots, dim]`, position-major) assigned at `slots[i]` of
-    /// the pool (laid out as `layout`), in one scatter.
+    /// the pool (laid out as `layout`), in one scatter: a feature-major pool through its
+    /// position-major view (its last two axes swapped, no copy where the backend scatters
+    /// into strided memory in place, as CubeCL's does), so that a row's features are one
+    /// slice of three indices rather than `dim` elements of four.
     fn with_rows_scattered(self, layout: BlockLayout, slots: &[Slot], rows: Self) -> Self;
 }
 
@@ -477,22 +501,16 @@ macro_rules! block_tensor {
             }
             fn with_rows_scattered(self, layout: BlockLayout, slots: &[Slot], rows: Self) -> Self {
                 let [_, heads, count, dim] = Tensor::dims(&rows);
-                let device = Tensor::device(&self);
-                let indices = scatter_indices(layout, slots, heads, dim);
+                let indices = TensorData::new(scatter_indices(slots, heads), [count, heads, 3]);
+                let indices = Tensor::<3, Int>::from_data(indices, &Tensor::device(&self));
                 let rows = rows.swap_dims(0, 2).reshape([count, heads, dim]);
+                let update = IndexingUpdateOp::Assign;
                 match layout {
-                    BlockLayout::PositionMajor => {
-                        let shape = [count, heads, 3];
-                        let indices =
-                            Tensor::<3, Int>::from_data(TensorData::new(indices, shape), &device);
-                        self.scatter_nd(indices, rows, IndexingUpdateOp::Assign)
-                    }
-                    BlockLayout::FeatureMajor => {
-                        let shape = [count, heads, dim, 4];
-                        let indices =
-                            Tensor::<4, Int>::from_data(TensorData::new(indices, shape), &device);
-                        self.scatter_nd(indices, rows, IndexingUpdateOp::Assign)
-                    }
+                    BlockLayout::PositionMajor => self.scatter_nd(indices, rows, update),
+                    BlockLayout::FeatureMajor => self
+                        .swap_dims(2, 3)
+                        .scatter_nd(indices, rows, update)
+                        .swap_dims(2, 3),
                 }
             }
         }
@@ -621,13 +639,12 @@ mod tests {
         }
     }
 
-    /// Off the native writer (autodiff), a step's short writes go into one scatter and a
-    /// prompt's long one block by block: the pool ends as one assignment per block and
-    /// sequence leaves it, in every storage and layout, the short writes' rows in a run of
-    /// the step's rows or apart.
+    /// A step's short writes in one scatter leave the pool as one assignment per write and
+    /// block does, in every storage and layout: the short writes' rows a run of the step's
+    /// rows beside a prompt's long write, apart around it, and every row of the step.
     #[test]
     fn a_steps_short_writes_in_one_scatter_equal_block_writes() {
-        let device = Device::flex().autodiff();
+        let device = Device::flex();
         let (heads, dim, block_size) = (2, 3, 4);
         let table = |blocks: Vec<usize>, len: usize| BlockTable {
             blocks,
@@ -642,19 +659,18 @@ mod tests {
             .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.173)
             .collect();
         let rows = Tensor::<4>::from_data(TensorData::new(values, [1, heads, 44, dim]), &device);
-        let orders = [
-            // The short writes' rows a run at the start of the step.
-            [
+        let steps = [
+            vec![
                 (&one_row, 5, 0..1),
                 (&three_rows, 3, 1..4),
                 (&prompt, 0, 4..44),
             ],
-            // The prompt's rows between them.
-            [
+            vec![
                 (&one_row, 5, 0..1),
                 (&prompt, 0, 1..41),
                 (&three_rows, 3, 41..44),
             ],
+            vec![(&one_row, 5, 0..1), (&three_rows, 3, 1..4)],
         ];
         for storage in [CacheStorage::Float, CacheStorage::Half, CacheStorage::Int8] {
             for layout in [BlockLayout::PositionMajor, BlockLayout::FeatureMajor] {
@@ -662,9 +678,9 @@ mod tests {
                     .with_block_size(block_size)
                     .with_storage(storage);
                 let options = (&device, DType::F32);
-                for order in &orders {
+                for step in &steps {
                     let empty = BlockStore::new(config, layout, (heads, dim), options).grown(17);
-                    let writes: Vec<RowsWrite> = order
+                    let writes: Vec<RowsWrite> = step
                         .iter()
                         .map(|(table, past, rows)| RowsWrite {
                             table,
@@ -672,16 +688,17 @@ mod tests {
                             rows: rows.clone(),
                         })
                         .collect();
-                    let by_block = writes.iter().fold(empty.clone(), |store, write| {
-                        let rows = rows.clone().narrow(2, write.rows.start, write.rows.len());
-                        store.written(write.table, write.past, rows)
-                    });
-                    let all = empty.written_all(&writes, &rows);
+                    let step_rows = step.iter().map(|(_, _, rows)| rows.len()).sum();
+                    let rows = rows.clone().narrow(2, 0, step_rows);
+                    let write = |how| {
+                        let store = empty.clone();
+                        contents(store.written_by_tensor_ops(&writes, &rows, how))
+                    };
                     assert_eq!(
-                        contents(all),
-                        contents(by_block),
+                        write(TensorOpWrites::Scatter),
+                        write(TensorOpWrites::ByBlock),
                         "{storage:?} {layout:?} {:?}",
-                        order.each_ref().map(|(_, _, rows)| rows)
+                        step.iter().map(|(_, _, rows)| rows).collect::<Vec<_>>()
                     );
                 }
             }
