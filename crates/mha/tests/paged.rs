@@ -183,8 +183,17 @@ fn blocks_of_one_position_equal_decoding_alone() {
 fn autodiff_devices_take_the_gathered_path_with_the_same_results() {
     let device = Device::flex().autodiff();
     let _seed = common::seed(&device, 32);
-    // The step's short runs in batched calls, under ALiBi too; a window releasing blocks.
-    for (label, config) in configs().into_iter().take(6) {
+    // The step's short runs in batched calls, under ALiBi too; a window releasing blocks, and
+    // with ALiBi, whose float mask hides what the window hides.
+    let mut configs: Vec<_> = configs().into_iter().take(6).collect();
+    configs.push((
+        "gqa+alibi+window",
+        MultiHeadAttentionConfig::new(D_MODEL, 4)
+            .with_n_kv_heads(Some(2))
+            .with_alibi(true)
+            .with_window(Some(3)),
+    ));
+    for (label, config) in configs {
         let module = config.init(&device);
         for storage in storages(&device) {
             let paged = PagedKvCacheConfig::new(64)
