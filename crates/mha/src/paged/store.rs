@@ -11,7 +11,7 @@ use super::cache::{BlockTable, PagedKvCacheConfig};
 use super::cpu::{Int8Blocks, PoolWrite, Slot, native_write, native_write_int8};
 use crate::cache::{CacheStorage, Quantized, dequantize_int8, in_dtype, quantize_int8};
 use crate::cpu::aligned::with_zeros_after;
-use crate::cpu::storage::native_storage;
+use crate::cpu::native_storage;
 
 /// How a block lays out its positions and features.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
