@@ -19,8 +19,7 @@ pub(crate) fn serve_one_at_a_time(
     device: &Device,
 ) -> (Served, Duration) {
     let mut encoding = Duration::ZERO;
-    let (mut tokens, mut decisions, mut token_times) = (Vec::new(), Vec::new(), Vec::new());
-    let mut peak_cache = CacheBytes::default();
+    let mut served = Served::nothing_yet(requests.iter().map(|request| request.arrival).collect());
     let started = Instant::now();
     for (index, request) in requests.iter().enumerate() {
         std::thread::sleep(request.arrival.saturating_sub(started.elapsed()));
@@ -55,22 +54,13 @@ pub(crate) fn serve_one_at_a_time(
         };
         // Every beam holds its own positions and its own copy of the projected source.
         let projected = request.source.len() * LAYERS * POSITION_BYTES * beams;
-        peak_cache = peak_cache.peak(CacheBytes {
+        served.peak_cache = served.peak_cache.peak(CacheBytes {
             stored: summed_over_layers(|layer| layer.stored()) * POSITION_BYTES * beams + projected,
             allocated: summed_over_layers(|layer| layer.bytes()) + projected,
         });
-        let (generated, decided) = search.result();
-        tokens.push(generated);
-        decisions.push(decided);
-        token_times.push(times);
+        (served.tokens[index], served.decisions[index]) = search.result();
+        served.token_times[index] = times;
     }
-    let served = Served {
-        tokens,
-        decisions,
-        wall: started.elapsed(),
-        token_times,
-        arrivals: requests.iter().map(|request| request.arrival).collect(),
-        peak_cache,
-    };
+    served.wall = started.elapsed();
     (served, encoding)
 }
