@@ -24,6 +24,14 @@ pub fn alibi_slopes(n_heads: usize) -> Vec<f64> {
     slopes
 }
 
+/// [`alibi_slopes`] in f32, as the kernels add the penalty to f32 scores.
+pub(crate) fn alibi_slopes_f32(n_heads: usize) -> Vec<f32> {
+    alibi_slopes(n_heads)
+        .into_iter()
+        .map(|slope| slope as f32)
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

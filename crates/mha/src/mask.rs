@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use burn::tensor::{Bool, DType, Device, Int, Tensor, TensorData};
 
-use crate::alibi::alibi_slopes;
+use crate::alibi::alibi_slopes_f32;
 use crate::geometry::{Geometry, causal_offset};
 use crate::input::{AttnMask, MaskValues};
 use crate::rules::{ScoreRules, Segments};
@@ -303,12 +303,9 @@ impl Visibility {
             causal: self.causal,
             window: self.window,
             segments,
-            alibi: self.alibi.then(|| {
-                alibi_slopes(geometry.n_heads)
-                    .into_iter()
-                    .map(|slope| slope as f32)
-                    .collect()
-            }),
+            alibi: self
+                .alibi
+                .then(|| alibi_slopes_f32(geometry.n_heads).into()),
         }
     }
 }

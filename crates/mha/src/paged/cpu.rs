@@ -22,7 +22,7 @@ use rayon::prelude::*;
 use super::cache::{PagedKvCache, SequenceStep};
 use super::step::StepHeads;
 use super::store::{BlockLayout, StoredBlocks};
-use crate::alibi::alibi_slopes;
+use crate::alibi::alibi_slopes_f32;
 use crate::cache::CompressedCache;
 use crate::cpu::matrix::{HeadIndex, HeadsView, Matrix, transposed_copy};
 use crate::cpu::storage::{CpuStorage, native_storage};
@@ -313,12 +313,9 @@ fn kernel_params(
         sequences,
         scale: module.scale as f32,
         softcap: module.softcap.map(|cap| cap as f32),
-        alibi: module.alibi.then(|| {
-            alibi_slopes(module.n_heads)
-                .into_iter()
-                .map(|slope| slope as f32)
-                .collect()
-        }),
+        alibi: module
+            .alibi
+            .then(|| alibi_slopes_f32(module.n_heads).into()),
         window,
         sinks: sinks.map(Arc::from),
     })

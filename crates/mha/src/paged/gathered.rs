@@ -12,7 +12,7 @@ use burn::tensor::{Bool, DType, Device, Int, Tensor, TensorData};
 
 use super::cache::{PagedKvCache, SequenceStep};
 use super::step::{IN_PLACE_ROWS, StepHeads};
-use crate::alibi::alibi_slopes;
+use crate::alibi::alibi_slopes_f32;
 use crate::input::{AttentionPath, IntoAttnMask, NeedWeights};
 use crate::mask::{Positions, Visibility};
 use crate::module::MultiHeadAttention;
@@ -149,10 +149,7 @@ impl MultiHeadAttention {
         let (key, value) = self.append_extra_positions(key, value);
         // ALiBi's penalty depends on each sequence's own positions: a float mask carries it.
         let attn_mask = if self.alibi {
-            let slopes: Vec<f32> = alibi_slopes(self.n_heads)
-                .into_iter()
-                .map(|slope| slope as f32)
-                .collect();
+            let slopes = alibi_slopes_f32(self.n_heads);
             layout
                 .alibi_bias(self.window, &slopes, &device)
                 .into_attn_mask()
@@ -384,16 +381,20 @@ mod tests {
         assert_eq!(unbounded.groups(vec![(0, 7), (1, 9)]), vec![vec![1, 0]]);
     }
 
-    #[test]
-    fn rows_repeat_their_last_and_keys_hide_padding_the_future_and_the_window() {
-        // Sequence 0: two new rows (step rows 0 and 1) after 3 stored positions; sequence 1:
-        // one row (step row 2) after 5 stored, the first 4 given back (held: position 4);
-        // sequence 2: one row (step row 3), nothing stored.
-        let layout = BatchLayout {
+    /// Sequence 0: two new rows (step rows 0 and 1) after 3 stored positions; sequence 1: one
+    /// row (step row 2) after 5 stored, the first 4 given back (held: position 4); sequence 2:
+    /// one row (step row 3), nothing stored.
+    fn three_sequences() -> BatchLayout {
+        BatchLayout {
             members: vec![member(0..2, 3, 0), member(2..3, 5, 4), member(3..4, 0, 0)],
             most_rows: 2,
             past_keys: 3,
-        };
+        }
+    }
+
+    #[test]
+    fn rows_repeat_their_last_and_keys_hide_padding_the_future_and_the_window() {
+        let layout = three_sequences();
         let device = Device::flex();
         let rows = layout.row_indices(&device).into_data();
         assert_eq!(rows.iter::<i64>().collect::<Vec<_>>(), [0, 1, 2, 2, 3, 3]);
@@ -431,13 +432,7 @@ mod tests {
 
     #[test]
     fn alibi_penalises_each_sequence_at_its_own_distances_and_forbids_what_is_hidden() {
-        // The layout of the test above: sequence 0 two rows after 3 stored positions,
-        // sequence 1 one row after 5 (position 4 held), sequence 2 one row, nothing stored.
-        let layout = BatchLayout {
-            members: vec![member(0..2, 3, 0), member(2..3, 5, 4), member(3..4, 0, 0)],
-            most_rows: 2,
-            past_keys: 3,
-        };
+        let layout = three_sequences();
         let n = None;
         // Keys: 3 stored (padded), then 2 new (padded); a query's distance to each.
         #[rustfmt::skip]
